@@ -1,0 +1,27 @@
+# Every target installs what it needs into .venv first, so a fresh clone needs only Python.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch warns at import when numpy is absent; comm does not need numpy.
+export PYTHONWARNINGS := ignore:Failed to initialize NumPy
+export OMP_NUM_THREADS ?= 1
+TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc-per-node 2
+
+.PHONY: test demo bench gpu-check clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test]'
+	touch $@
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -n auto -q
+
+demo: $(VENV)/.installed
+	@echo "== CPU (gloo) =="
+	$(TORCHRUN) examples/bind_and_reduce.py
+	@echo "== simulated NPU (hccl) =="
+	$(TORCHRUN) examples/bind_and_reduce.py --simulate npu
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

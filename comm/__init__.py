@@ -1,0 +1,20 @@
+"""comm: torch.distributed collectives that run on whatever accelerator a job has.
+
+Device binding (:mod:`comm.device`), backend resolution (:mod:`comm.backend`) and
+staging of tensors onto a device the group's backend serves (:mod:`comm.staging`).
+"""
+
+from comm.backend import default_backend, device_types, init_process_group
+from comm.device import accelerator_type, bind, current_device, empty_cache
+from comm.staging import staging_device
+
+__all__ = [
+    "accelerator_type",
+    "bind",
+    "current_device",
+    "default_backend",
+    "device_types",
+    "empty_cache",
+    "init_process_group",
+    "staging_device",
+]

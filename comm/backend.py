@@ -1,0 +1,213 @@
+"""Backend resolution: which collective backend serves which device type.
+
+Two questions live here. Which backend should a new job use on this accelerator
+(``default_backend``)? And which device types can an existing group run collectives
+on (``device_types``)? The second is the backend -> device mapping that the FSDP
+offload report (second seed) found nobody owned.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import weakref
+from typing import Any, FrozenSet, Optional
+
+import torch
+import torch.distributed as dist
+
+from comm.device import accelerator_type, bind
+
+__all__ = ["default_backend", "device_types", "init_process_group"]
+
+# Backends to try per device type, after torch's own default (when it has one).
+# torch's table (get_default_backend_for_device, torch >= 2.6) does not cover these:
+_FALLBACK_BACKENDS = {
+    # gloo serves CUDA tensors on builds without NCCL (Windows, some ROCm wheels).
+    "cuda": ("nccl", "gloo"),
+    # torch_npu registers hccl; torch < 2.6 has no per-device default to ask.
+    "npu": ("hccl",),
+    # xccl is built into torch >= 2.8; Intel's oneCCL bindings register the legacy
+    # "ccl" name, which is used only when the build positively reports it.
+    "xpu": ("xccl", "ccl"),
+    "cpu": ("gloo",),
+    # torch's own map sends MPS to gloo, which stages MPS tensors through the CPU.
+    "mps": ("gloo",),
+}
+
+# Device types per backend for torch releases whose Backend.backend_capability lacks
+# an entry (it appeared in torch 2.2; plugins fill it only when they pass `devices`).
+_FALLBACK_CAPABILITY = {
+    "gloo": frozenset({"cpu", "cuda"}),
+    "nccl": frozenset({"cuda"}),
+    "mpi": frozenset({"cpu", "cuda"}),
+    "ucc": frozenset({"cpu", "cuda"}),
+    "hccl": frozenset({"npu"}),  # torch_npu registers hccl for npu only
+    "xccl": frozenset({"xpu"}),
+    "ccl": frozenset({"cpu", "xpu"}),  # oneCCL bindings serve both
+}
+
+
+def default_backend(device_type: Optional[str] = None) -> str:
+    """Return the collective backend to use for ``device_type`` (the accelerator by default).
+
+    hccl for npu, xccl for xpu (legacy ``ccl`` only where the build reports it),
+    nccl for cuda, gloo for cpu and mps, and the registered backend of any other
+    device. A backend this build lacks is never returned, and a non-CUDA
+    accelerator never falls back to nccl.
+    """
+    device_type = device_type or accelerator_type()
+    if not isinstance(device_type, str) or not device_type:
+        raise ValueError(f"device_type must be a device type string such as 'cuda', got {device_type!r}")
+    candidates = _backend_candidates(device_type)
+    for backend in candidates:
+        if _backend_available(backend):
+            return backend
+    tried = ", ".join(candidates) if candidates else "none known"
+    raise RuntimeError(
+        f"no collective backend available for device type {device_type!r} "
+        f"(tried: {tried}); install the accelerator's plugin or pass backend= explicitly"
+    )
+
+
+def _backend_candidates(device_type: str) -> list:
+    candidates = []
+    torch_default = _torch_default_backend(device_type)
+    if torch_default is not None:
+        candidates.append(torch_default)
+    for backend in _FALLBACK_BACKENDS.get(device_type, ()):
+        if backend not in candidates:
+            candidates.append(backend)
+    if device_type != "cuda" and "nccl" in candidates:
+        # torch_npu's transfer_to_npu aliases is_nccl_available: never trust it off CUDA.
+        candidates.remove("nccl")
+    return candidates
+
+
+def _torch_default_backend(device_type: str) -> Optional[str]:
+    if hasattr(dist, "get_default_backend_for_device"):
+        try:
+            return str(dist.get_default_backend_for_device(device_type))
+        except (ValueError, RuntimeError):
+            return None
+    return dist.Backend.default_device_backend_map.get(device_type)
+
+
+def _backend_available(backend: str) -> bool:
+    probe = getattr(dist, f"is_{backend}_available", None)
+    if callable(probe):
+        return bool(probe())
+    return backend in dist.Backend.backend_list
+
+
+def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> torch.device:
+    """Bind this process, then initialise the default group; return the bound device.
+
+    Calls :func:`torch.distributed.init_process_group` with :func:`default_backend`
+    unless ``backend`` is given (an explicit backend always wins), and binds the
+    group to the device (``device_id``) where torch and the backend support it.
+    """
+    device = bind()
+    if backend is None:
+        backend = default_backend(device.type)
+    if (
+        device.type != "cpu"
+        and "device_id" not in kwargs
+        and _accepts_device_id()
+        and device.type in _backend_string_device_types(backend)
+    ):
+        kwargs["device_id"] = device
+    dist.init_process_group(backend=backend, **kwargs)
+    return device
+
+
+def _accepts_device_id() -> bool:
+    return "device_id" in inspect.signature(dist.init_process_group).parameters
+
+
+def device_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
+    """The device types ``group`` (the default group by default) can run collectives on.
+
+    Asked of the group's own registered backends first, then of its backend config
+    (``"cpu:gloo,cuda:nccl"``), then of ``Backend.backend_capability``. Cached per
+    group object.
+    """
+    group = _resolve_group(group)
+    cached = _DEVICE_TYPES.get(group)
+    if cached is None:
+        cached = _lookup_device_types(group)
+        _DEVICE_TYPES.set(group, cached)
+    return cached
+
+
+def _resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "the default process group is not initialized; call "
+                "comm.init_process_group() (or torch.distributed.init_process_group) first"
+            )
+        return dist.distributed_c10d._get_default_group()
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    return group
+
+
+def _lookup_device_types(group: dist.ProcessGroup) -> FrozenSet[str]:
+    registered = frozenset(d.type for d in getattr(group, "_device_types", ()))
+    if registered:
+        return registered
+    config = _backend_config(group)
+    if config:
+        return _backend_string_device_types(config)
+    raise RuntimeError(f"cannot tell which device types process group {group!r} serves")
+
+
+def _backend_config(group: dist.ProcessGroup) -> str:
+    if hasattr(dist, "get_backend_config"):
+        try:
+            return str(dist.get_backend_config(group))
+        except (ValueError, RuntimeError):
+            pass
+    try:
+        return str(dist.get_backend(group))
+    except (ValueError, RuntimeError):
+        return ""
+
+
+def _backend_string_device_types(backend: str) -> FrozenSet[str]:
+    """Device types of ``"gloo"`` or of a composite ``"cpu:gloo,cuda:nccl"``."""
+    types = set()
+    for part in str(backend).lower().split(","):
+        device_type, sep, name = part.strip().partition(":")
+        if sep:
+            types.add(device_type)
+        else:
+            types |= _backend_capability(device_type)
+    return frozenset(types)
+
+
+def _backend_capability(backend: str) -> FrozenSet[str]:
+    capability = getattr(dist.Backend, "backend_capability", {}).get(backend)
+    if capability:
+        return frozenset(capability)
+    return _FALLBACK_CAPABILITY.get(backend, frozenset())
+
+
+class _GroupCache:
+    """A per-group cache that forgets a group once it is garbage collected."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: "weakref.WeakKeyDictionary[dist.ProcessGroup, Any]" = weakref.WeakKeyDictionary()
+
+    def get(self, group: dist.ProcessGroup) -> Any:
+        with self._lock:
+            return self._entries.get(group)
+
+    def set(self, group: dist.ProcessGroup, value: Any) -> None:
+        with self._lock:
+            self._entries[group] = value
+
+
+_DEVICE_TYPES = _GroupCache()

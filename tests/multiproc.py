@@ -1,0 +1,152 @@
+"""Run a test function on N real processes: the one piece of multi-rank test machinery.
+
+Ranks are forked from a forkserver that has already imported torch, so a scenario
+costs one fork per rank rather than one interpreter start. Rendezvous is a
+FileStore in a fresh temporary directory: no ports, safe under pytest-xdist.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "comm"])
+
+STORE_ENV = "COMM_TEST_STORE"
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    backend: Optional[str] = "gloo",
+    simulate: Optional[Dict[str, Any]] = None,
+    args: Sequence[Any] = (),
+    env: Optional[Dict[str, str]] = None,
+    timeout: float = 120.0,
+    pg_timeout: float = 60.0,
+) -> List[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return each rank's result.
+
+    Results travel by pickle to a parent without the simulation: return plain
+    values and CPU tensors, not simulated devices or tensors.
+
+    ``simulate`` (keyword arguments of ``comm.testing.simulate_accelerator``) sets up
+    the simulated accelerator in every rank, which is then bound to its rank's
+    device. ``backend=None`` leaves group creation to ``fn`` (the store path is in
+    ``$COMM_TEST_STORE``). Any rank's exception fails the call with every rank's
+    traceback.
+    """
+    workdir = tempfile.mkdtemp(prefix="comm-test-")
+    results: "multiprocessing.Queue[Any]" = _CONTEXT.Queue()
+    processes = [
+        _CONTEXT.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, backend, simulate, args, env or {}, workdir, pg_timeout, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        return _collect(processes, results, world_size, timeout)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _collect(processes: List[Any], results: Any, world_size: int, timeout: float) -> List[Any]:
+    outcomes: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(outcomes) < world_size and time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+        except queue.Empty:
+            if any(p.exitcode is not None for r, p in enumerate(processes) if r not in outcomes):
+                deadline = min(deadline, time.monotonic() + 5.0)  # a rank died without a word
+            continue
+        outcomes[rank] = (ok, value)
+        if not ok:
+            deadline = min(deadline, time.monotonic() + 10.0)
+    failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if failures or missing:
+        detail = "\n".join(failures)
+        if missing:
+            codes = {r: processes[r].exitcode for r in missing}
+            detail += f"\nranks {missing} did not report (exit codes {codes}; timeout {timeout}s)"
+        raise AssertionError(f"multi-process test failed:\n{detail}")
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    backend: Optional[str],
+    simulate: Optional[Dict[str, Any]],
+    args: Sequence[Any],
+    env: Dict[str, str],
+    workdir: str,
+    pg_timeout: float,
+    results: Any,
+) -> None:
+    try:
+        os.environ.update(env)
+        os.environ.update(
+            {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+             STORE_ENV: os.path.join(workdir, "store")}
+        )
+        if simulate is not None:
+            import comm
+            import comm.testing
+
+            comm.testing.simulate_accelerator(**simulate)
+            comm.bind(rank)
+        if backend is not None:
+            init_group(backend, rank, world_size, pg_timeout)
+        value = fn(rank, world_size, *args)
+        # Plain pickle copies tensor data; the queue's own pickler would share it
+        # through a file descriptor that dies with this process.
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_group(backend: Optional[str], rank: int, world_size: int, pg_timeout: float = 60.0, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group`` on this scenario's FileStore."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend=backend,
+        store=file_store(world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=pg_timeout),
+        **kwargs,
+    )
+
+
+def file_store(world_size: int) -> Any:
+    """This scenario's FileStore, for functions that create their group themselves."""
+    import torch.distributed as dist
+
+    return dist.FileStore(os.environ[STORE_ENV], world_size)

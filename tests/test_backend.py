@@ -1,0 +1,125 @@
+"""comm.backend: default backend per accelerator, and the device types a group serves."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import comm
+from comm.backend import _backend_string_device_types
+from multiproc import file_store, init_group, run_ranks
+
+NPU = {"name": "npu", "backend": "hccl"}
+
+
+def test_default_backend_cpu_and_mps():
+    assert comm.default_backend() == "gloo"  # this process has no accelerator
+    assert comm.default_backend("cpu") == "gloo"
+    assert comm.default_backend("mps") == "gloo"
+
+
+def test_default_backend_cuda_is_capability_aware(monkeypatch):
+    # A CPU build lacks NCCL; stub the build probe, the narrowest seam there is.
+    assert comm.default_backend("cuda") == "gloo"
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert comm.default_backend("cuda") == "nccl"
+
+
+def test_default_backend_xpu(monkeypatch):
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)  # never used for xpu
+    with pytest.raises(RuntimeError, match="no collective backend available for device type 'xpu'"):
+        comm.default_backend("xpu")
+    monkeypatch.setattr(dist, "is_ccl_available", lambda: True, raising=False)
+    assert comm.default_backend("xpu") == "ccl"
+    monkeypatch.setattr(dist, "is_xccl_available", lambda: True)
+    assert comm.default_backend("xpu") == "xccl"
+
+
+def test_default_backend_unknown_device():
+    with pytest.raises(RuntimeError, match="device type 'tpu'"):
+        comm.default_backend("tpu")
+    with pytest.raises(ValueError, match="device_type must be a device type string"):
+        comm.default_backend(3)
+
+
+def test_backend_strings():
+    assert _backend_string_device_types("gloo") == {"cpu", "cuda"}
+    assert _backend_string_device_types("nccl") == {"cuda"}
+    assert _backend_string_device_types("cpu:gloo,cuda:nccl") == {"cpu", "cuda"}
+    assert _backend_string_device_types("xccl") == {"xpu"}
+
+
+def test_device_types_needs_a_group():
+    with pytest.raises(RuntimeError, match="default process group is not initialized"):
+        comm.device_types()
+    with pytest.raises(TypeError, match="group must be a torch.distributed.ProcessGroup"):
+        comm.device_types("gloo")
+
+
+def _gloo_groups(rank, world_size):
+    world = comm.device_types()
+    subgroup = dist.new_group([0, 1])
+    cpu_only = dist.new_group([0, 1], backend="cpu:gloo")
+    return {
+        "world": sorted(world),
+        "cached": comm.device_types() is world,
+        "new_group": sorted(comm.device_types(subgroup)),
+        "composite": sorted(comm.device_types(cpu_only)),
+    }
+
+
+def test_device_types_of_gloo_groups():
+    for seen in run_ranks(_gloo_groups, 2):
+        assert seen["world"] == ["cpu", "cuda"]
+        assert seen["cached"]
+        assert seen["new_group"] == ["cpu", "cuda"]
+        assert seen["composite"] == ["cpu"]
+
+
+def _undefined_backend(rank, world_size):
+    init_group(None, rank, world_size)  # no backend named: torch picks per device
+    return dist.get_backend(), sorted(comm.device_types())
+
+
+def test_device_types_of_an_undefined_backend():
+    for backend, types in run_ranks(_undefined_backend, 2, backend=None):
+        assert types == ["cpu"]
+
+
+def _simulated_npu_backends(rank, world_size):
+    chosen = comm.default_backend()
+    dist.is_nccl_available = lambda: True  # torch_npu's transfer_to_npu does this
+    still = comm.default_backend("npu")
+    device = comm.init_process_group(store=file_store(world_size), rank=rank, world_size=world_size)
+    seen = {
+        "default": chosen,
+        "with_nccl_alias": still,
+        "device": str(device),
+        "backend": dist.get_backend(),
+        "types": sorted(comm.device_types()),
+        "plugin_capability": dist.Backend.backend_capability["hccl"],
+    }
+    explicit = dist.new_group([0, 1], backend="gloo")
+    seen["explicit_gloo"] = sorted(comm.device_types(explicit))
+    return seen
+
+
+def test_backend_on_simulated_npu():
+    for rank, seen in enumerate(run_ranks(_simulated_npu_backends, 2, backend=None, simulate=NPU)):
+        assert seen["default"] == "hccl"
+        assert seen["with_nccl_alias"] == "hccl"
+        assert seen["device"] == f"npu:{rank}"
+        assert seen["backend"] == "hccl"
+        assert seen["types"] == ["npu"]
+        assert seen["plugin_capability"] == ["npu"]
+        assert seen["explicit_gloo"] == ["cpu", "cuda"]
+
+
+def _explicit_backend_wins(rank, world_size):
+    device = comm.init_process_group("gloo", store=file_store(world_size), rank=rank, world_size=world_size)
+    return str(device), dist.get_backend()
+
+
+def test_explicit_backend_wins_on_simulated_npu():
+    for rank, (device, backend) in enumerate(run_ranks(_explicit_backend_wins, 2, backend=None, simulate=NPU)):
+        assert device == f"npu:{rank}"
+        assert backend == "gloo"
