@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import threading
 import weakref
-from typing import Any, FrozenSet, Optional
+from typing import Any, Dict, FrozenSet, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -132,12 +132,32 @@ def device_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     (``"cpu:gloo,cuda:nccl"``), then of ``Backend.backend_capability``. Cached per
     group object.
     """
-    group = _resolve_group(group)
-    cached = _DEVICE_TYPES.get(group)
-    if cached is None:
-        cached = _lookup_device_types(group)
-        _DEVICE_TYPES.set(group, cached)
-    return cached
+    return _group_info(_resolve_group(group)).device_types
+
+
+class _GroupInfo(NamedTuple):
+    """What comm needs to know about a group, looked up once."""
+
+    device_types: FrozenSet[str]
+    backends: Dict[str, str]  # device type -> backend name
+    size: int
+
+
+def _group_info(group: dist.ProcessGroup) -> _GroupInfo:
+    info = _GROUP_INFO.get(group)
+    if info is None:
+        info = _lookup_group_info(group)
+        _GROUP_INFO.set(group, info)
+    return info
+
+
+def _lookup_group_info(group: dist.ProcessGroup) -> _GroupInfo:
+    config = _backend_config(group)
+    backends = _backends_by_device(config)
+    types = frozenset(d.type for d in getattr(group, "_device_types", ())) or frozenset(backends)
+    if not types:
+        raise RuntimeError(f"cannot tell which device types process group {group!r} serves")
+    return _GroupInfo(types, backends, group.size())
 
 
 def _resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
@@ -151,16 +171,6 @@ def _resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     return group
-
-
-def _lookup_device_types(group: dist.ProcessGroup) -> FrozenSet[str]:
-    registered = frozenset(d.type for d in getattr(group, "_device_types", ()))
-    if registered:
-        return registered
-    config = _backend_config(group)
-    if config:
-        return _backend_string_device_types(config)
-    raise RuntimeError(f"cannot tell which device types process group {group!r} serves")
 
 
 def _backend_config(group: dist.ProcessGroup) -> str:
@@ -177,14 +187,47 @@ def _backend_config(group: dist.ProcessGroup) -> str:
 
 def _backend_string_device_types(backend: str) -> FrozenSet[str]:
     """Device types of ``"gloo"`` or of a composite ``"cpu:gloo,cuda:nccl"``."""
-    types = set()
+    return frozenset(_backends_by_device(backend))
+
+
+def _backends_by_device(backend: str) -> Dict[str, str]:
+    """``{"cpu": "gloo", "cuda": "nccl"}`` from a backend or composite backend string."""
+    backends: Dict[str, str] = {}
     for part in str(backend).lower().split(","):
-        device_type, sep, name = part.strip().partition(":")
+        head, sep, tail = part.strip().partition(":")
         if sep:
-            types.add(device_type)
+            backends[head] = tail  # "cuda:nccl"
         else:
-            types |= _backend_capability(device_type)
-    return frozenset(types)
+            backends.update(dict.fromkeys(_backend_capability(head), head))  # "gloo"
+    return backends
+
+
+# Where native ReduceOp.AVG is missing or wrong, comm runs SUM and divides. Per
+# backend: the first torch release whose AVG is right, per kind of collective, or
+# None where comm always emulates.
+_NATIVE_AVG_SINCE: Dict[str, Optional[Dict[str, Tuple[int, int]]]] = {
+    # pytorch#149781 added AVG to gloo's allreduce and reduce in 2.8; its
+    # reduce_scatter summed silently instead (pytorch#162338); right on 2.13 (tested).
+    "gloo": {"all_reduce": (2, 8), "reduce": (2, 8), "reduce_scatter": (2, 13)},
+    "hccl": None,  # rejected on some Ascend parts (reported in ditorch)
+    "xccl": None,  # rejected or wrong on some Intel GPUs (torch-xpu-ops#3020)
+    "ccl": None,  # oneCCL rejects AVG (torch-xpu-ops#2691)
+    "mpi": None,  # ProcessGroupMPI maps no AVG op
+    "ucc": None,  # not every UCC transport implements AVG
+}
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _native_avg(group: dist.ProcessGroup, device_type: str, kind: str) -> bool:
+    """Whether ``group``'s backend for ``device_type`` does ReduceOp.AVG right for ``kind``."""
+    info = _group_info(group)
+    backend = info.backends.get(device_type, "")
+    if backend == "nccl":
+        return info.size > 1  # NCCL's AVG is wrong at world size 1 (pytorch#144045)
+    if backend not in _NATIVE_AVG_SINCE:
+        return True
+    since = _NATIVE_AVG_SINCE[backend]
+    return since is not None and kind in since and _TORCH_VERSION >= since[kind]
 
 
 def _backend_capability(backend: str) -> FrozenSet[str]:
@@ -202,12 +245,11 @@ class _GroupCache:
         self._entries: "weakref.WeakKeyDictionary[dist.ProcessGroup, Any]" = weakref.WeakKeyDictionary()
 
     def get(self, group: dist.ProcessGroup) -> Any:
-        with self._lock:
-            return self._entries.get(group)
+        return self._entries.get(group)  # a dict read: atomic, no lock needed
 
     def set(self, group: dist.ProcessGroup, value: Any) -> None:
         with self._lock:
             self._entries[group] = value
 
 
-_DEVICE_TYPES = _GroupCache()
+_GROUP_INFO = _GroupCache()

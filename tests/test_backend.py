@@ -82,6 +82,7 @@ def _undefined_backend(rank, world_size):
 
 def test_device_types_of_an_undefined_backend():
     for backend, types in run_ranks(_undefined_backend, 2, backend=None):
+        assert backend == "undefined"
         assert types == ["cpu"]
 
 

@@ -86,6 +86,12 @@ def _boxed_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     return _run_on_payloads(op, args, kwargs)
 
 
+def _copy_kernel(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """PrivateUse1 ``copy_``: torch's C++ code (``torch.tensor(data, device=...)``)
+    copies with the Python dispatch key excluded, where the boxed fallback fails."""
+    return _run_on_payloads(torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
+
+
 def _run_on_payloads(func: Any, args: Any, kwargs: Dict[str, Any]) -> Any:
     if func.namespace in _COLLECTIVE_NAMESPACES:
         private_use1 = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
@@ -230,9 +236,11 @@ def install_device(name: str, device_count: int) -> None:
 
     _STATE = _DeviceState(name, device_count)
     _setup_privateuseone_for_python_backend(name, backend_module=_build_device_module(name))
-    library = torch.library.Library("_", "IMPL")
-    library.fallback(_boxed_fallback, dispatch_key="PrivateUse1", with_keyset=False)
-    _LIBRARIES.append(library)
+    fallback = torch.library.Library("_", "IMPL")
+    fallback.fallback(_boxed_fallback, dispatch_key="PrivateUse1", with_keyset=False)
+    kernels = torch.library.Library("aten", "IMPL")
+    kernels.impl("copy_", _copy_kernel, "PrivateUse1")
+    _LIBRARIES.extend([fallback, kernels])
 
 
 # Keeps the fallback registration alive for the life of the process.

@@ -16,28 +16,29 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from comm.testing._device import SimulatedTensor
 
-# The ProcessGroup methods c10d calls on a backend, all forwarded to gloo.
-_FORWARDED = (
-    "allreduce",
-    "allreduce_coalesced",
-    "broadcast",
-    "allgather",
-    "_allgather_base",
-    "allgather_coalesced",
-    "allgather_into_tensor_coalesced",
-    "reduce_scatter",
-    "_reduce_scatter_base",
-    "reduce_scatter_tensor_coalesced",
-    "reduce",
-    "gather",
-    "scatter",
-    "alltoall",
-    "alltoall_base",
-    "barrier",
-    "send",
-    "recv",
-    "recv_anysource",
-)
+# The ProcessGroup methods c10d calls on a backend, and gloo's name for each.
+_FORWARDED = {
+    "allreduce": "allreduce",
+    "allreduce_coalesced": "allreduce_coalesced",
+    "broadcast": "broadcast",
+    "allgather": "allgather",
+    "allgather_coalesced": "allgather_coalesced",
+    "_allgather_base": "_allgather_base",
+    "all_gather_single": "_allgather_base",  # torch >= 2.12 spelling
+    "reduce_scatter": "reduce_scatter",
+    "_reduce_scatter_base": "_reduce_scatter_base",
+    "reduce_scatter_single": "_reduce_scatter_base",  # torch >= 2.12 spelling
+    "reduce": "reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+    "alltoall": "alltoall",
+    "alltoall_base": "alltoall_base",
+    "all_to_all_single": "alltoall_base",  # torch >= 2.12 spelling
+    "barrier": "barrier",
+    "send": "send",
+    "recv": "recv",
+    "recv_anysource": "recv_anysource",
+}
 
 
 class SimulatedProcessGroup(dist.ProcessGroup):
@@ -96,19 +97,19 @@ def _payload(value: Any) -> Any:
     return value._payload if isinstance(value, SimulatedTensor) else value
 
 
-def _forwarding(name: str) -> Callable[..., Any]:
+def _forwarding(name: str, gloo_name: str) -> Callable[..., Any]:
     def method(self: SimulatedProcessGroup, *args: Any, **kwargs: Any) -> Any:
         self._check(args, kwargs)
         args, kwargs = tree_map(_payload, (args, kwargs))
-        return getattr(self._inner, name)(*args, **kwargs)
+        return getattr(self._inner, gloo_name)(*args, **kwargs)
 
     method.__name__ = name
-    method.__doc__ = f"``{name}`` on the CPU payloads, through gloo."
+    method.__doc__ = f"``{gloo_name}`` on the CPU payloads, through gloo."
     return method
 
 
-for _name in _FORWARDED:
-    setattr(SimulatedProcessGroup, _name, _forwarding(_name))
+for _name, _gloo_name in _FORWARDED.items():
+    setattr(SimulatedProcessGroup, _name, _forwarding(_name, _gloo_name))
 
 
 def register_backend(

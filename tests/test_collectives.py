@@ -1,0 +1,330 @@
+"""comm.collectives: torch's results on every device, staging where the backend needs it."""
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+import comm
+from faults import INJECTED, PLAN, register_faulty_backend
+from multiproc import run_ranks
+
+NPU = {"name": "npu", "backend": "hccl"}
+SEED_ERROR = "No backend type associated with device type cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool]
+
+
+def _data(rank, dtype, contiguous=True, numel=12, device="cpu"):
+    """Distinct, exactly representable values per rank; a strided view when not contiguous."""
+    values = (torch.arange(numel) * (rank + 1)) % 7
+    tensor = (values % 2 == 0) if dtype == torch.bool else values.to(dtype)
+    if not contiguous:
+        holder = torch.zeros(numel * 2, dtype=tensor.dtype)
+        holder[::2] = tensor
+        tensor = holder[::2]
+    return tensor.to(device)
+
+
+def _wrapper_calls(rank, group):
+    """(name, call(module, tensors, async_op), make(dtype, contiguous) -> tensors) per wrapper.
+
+    ``module`` is ``torch.distributed`` or ``comm``: the same call is made on both.
+    """
+    size = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group)
+    root = ranks[-1]
+
+    def single(dtype, contiguous):
+        return [_data(rank, dtype, contiguous)]
+
+    def gather(dtype, contiguous):
+        return [_data(rank, dtype, contiguous)] + [torch.zeros(12, dtype=dtype) for _ in range(size)]
+
+    def into(dtype, contiguous):
+        return [torch.zeros(12 * size, dtype=dtype), _data(rank, dtype, contiguous)]
+
+    def scatter(dtype, contiguous):
+        return [torch.zeros(12 // size * 1, dtype=dtype), _data(rank, dtype, contiguous, numel=12 // size * size)]
+
+    return [
+        ("all_reduce sum", lambda m, t, a: m.all_reduce(t[0], group=group, async_op=a), single),
+        ("all_reduce max", lambda m, t, a: m.all_reduce(t[0], ReduceOp.MAX, group, a), single),
+        ("broadcast", lambda m, t, a: m.broadcast(t[0], src=root, group=group, async_op=a), single),
+        ("reduce", lambda m, t, a: m.reduce(t[0], dst=root, group=group, async_op=a), single),
+        ("all_gather", lambda m, t, a: m.all_gather(t[1:], t[0], group, a), gather),
+        ("all_gather_into_tensor", lambda m, t, a: m.all_gather_into_tensor(t[0], t[1], group, a), into),
+        ("reduce_scatter_tensor", lambda m, t, a: m.reduce_scatter_tensor(t[0], t[1], group=group, async_op=a),
+         scatter),
+    ]
+
+
+def _outcome(module, call, tensors, async_op):
+    """Run one call; return ("ok", tensors) or ("error", exception type name)."""
+    try:
+        work = call(module, tensors, async_op)
+        if async_op and work is not None:
+            work.wait()
+    except Exception as error:  # noqa: BLE001 - the outcome is compared, not handled
+        return ("error", type(error).__name__)
+    return ("ok", tensors)
+
+
+def _differences(rank, group, dtypes, label):
+    """Every wrapper against torch's own call on the same data; returns what differed."""
+    differences = []
+    for name, call, make in _wrapper_calls(rank, group):
+        for dtype in dtypes:
+            for contiguous in (True, False):
+                for async_op in (False, True):
+                    expected = _outcome(dist, call, make(dtype, contiguous), async_op)
+                    got = _outcome(comm, call, make(dtype, contiguous), async_op)
+                    case = f"{label} {name} {dtype} contiguous={contiguous} async={async_op}"
+                    if name == "reduce" and dist.get_rank() != dist.get_process_group_ranks(group)[-1]:
+                        continue  # torch leaves non-destination tensors unspecified
+                    if expected[0] != got[0]:
+                        differences.append(f"{case}: torch {expected} vs comm {got}")
+                    elif expected[0] == "ok" and not all(
+                        torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(expected[1], got[1])
+                    ):
+                        differences.append(f"{case}: values differ")
+    return differences
+
+
+def _matches_torch_on_gloo(rank, world_size):
+    subgroup_ranks = [0, world_size - 1] if world_size > 2 else [1, 0]
+    subgroup = dist.new_group(subgroup_ranks)
+    differences = _differences(rank, None, DTYPES, "world")
+    if rank in subgroup_ranks:
+        differences += _differences(rank, subgroup, DTYPES, "subgroup")
+    else:
+        untouched = torch.ones(3)
+        returned = comm.all_reduce(untouched, group=subgroup)
+        if returned is not None or not torch.equal(untouched, torch.ones(3)):
+            differences.append("non-member rank communicated")
+    return differences
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bit_identical_to_torch_on_gloo(world_size):
+    assert run_ranks(_matches_torch_on_gloo, world_size) == [[]] * world_size
+
+
+def _cpu_tensors_on_simulated_hccl(rank, world_size):
+    """CPU tensors (FSDP offload) through every wrapper match the same data on the NPU."""
+    group = dist.group.WORLD
+    differences = []
+    with pytest.raises(RuntimeError, match=SEED_ERROR):
+        dist.all_reduce(torch.ones(2))  # plain torch fails: the second seed
+    for name, call, make in _wrapper_calls(rank, group):
+        for dtype in (torch.float32, torch.int64):
+            for async_op in (False, True):
+                on_cpu = make(dtype, True)
+                on_npu = [t.to(f"npu:{rank}") for t in make(dtype, True)]
+                got = _outcome(comm, call, on_cpu, async_op)
+                expected = _outcome(dist, call, on_npu, async_op)
+                if got[0] != "ok" or expected[0] != "ok":
+                    differences.append(f"{name} {dtype}: comm {got[0]}, torch on npu {expected[0]}")
+                elif not all(torch.equal(a, b.cpu()) for a, b in zip(got[1], expected[1])):
+                    if not (name == "reduce" and rank != world_size - 1):
+                        differences.append(f"{name} {dtype} async={async_op}: values differ")
+                if any(t.device.type != "cpu" for t in on_cpu):
+                    differences.append(f"{name}: a caller tensor changed device")
+    mixed = [torch.zeros(4) for _ in range(world_size)]  # NPU input, CPU outputs
+    comm.all_gather(mixed, torch.full((4,), float(rank), device=f"npu:{rank}"))
+    if not all(torch.equal(t, torch.full((4,), float(r))) for r, t in enumerate(mixed)):
+        differences.append("all_gather npu -> cpu outputs differ")
+    future = comm.all_reduce(torch.ones(3), async_op=True).get_future()
+    if not torch.equal(future.wait()[0], torch.full((3,), float(world_size))):
+        differences.append("get_future result differs")
+    return differences
+
+
+def test_cpu_tensors_on_simulated_hccl():
+    assert run_ranks(_cpu_tensors_on_simulated_hccl, 2, backend="hccl", simulate=NPU) == [[], []]
+
+
+def _uneven_and_avg(rank, world_size, force_avg_emulation):
+    if force_avg_emulation:
+        # Configure gloo as lacking AVG: the emulation must match gloo's native AVG.
+        comm.backend._NATIVE_AVG_SINCE["gloo"] = None
+    device = "cpu"
+    seen = {}
+    outputs = [torch.full((r + 1, 2), -1.0) for r in range(world_size)]
+    comm.all_gather(outputs, torch.full((rank + 1, 2), float(rank)).to(device))
+    seen["uneven"] = outputs
+    work = comm.all_gather([torch.zeros(r + 2) for r in range(world_size)], torch.ones(rank + 2), async_op=True)
+    seen["uneven_async"] = work.result()
+    values = _data(rank, torch.float64) + 0.25 * rank
+    for name, run in [
+        ("all_reduce", lambda t: comm.all_reduce(t, ReduceOp.AVG)),
+        ("reduce", lambda t: comm.reduce(t, dst=0, op=ReduceOp.AVG)),
+        ("coalesced", lambda t: comm.all_reduce_coalesced([t], ReduceOp.AVG)),
+    ]:
+        tensor = values.clone()
+        run(tensor)
+        seen[name] = tensor
+    scattered = torch.zeros(6, dtype=torch.float64)
+    comm.reduce_scatter_tensor(scattered, values.clone(), ReduceOp.AVG)
+    seen["reduce_scatter"] = scattered
+    integers = torch.arange(4)
+    with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
+        comm.all_reduce(integers, op=ReduceOp.AVG)
+    # Emulated AVG refuses integers before communicating; gloo's native AVG raises
+    # the same error only after its SUM landed in the tensor (torch's behaviour).
+    seen["integers_untouched"] = torch.equal(integers, torch.arange(4))
+    seen["emulated"] = force_avg_emulation or dist.get_backend() == "hccl"
+    if seen["emulated"]:
+        seen["torch_avg"] = _torch_avg_outcome(values.to(comm.current_device()))
+    return seen
+
+
+def _torch_avg_outcome(values):
+    try:
+        dist.all_reduce(values, op=ReduceOp.AVG)
+    except RuntimeError as error:
+        return str(error)
+    return "ok"
+
+
+def _check_uneven_and_avg(results, world_size):
+    reference = sum(_data(r, torch.float64) + 0.25 * r for r in range(world_size)) / world_size
+    for rank, seen in enumerate(results):
+        for r, out in enumerate(seen["uneven"]):
+            assert torch.equal(out, torch.full((r + 1, 2), float(r)))
+        assert [t.tolist() for t in seen["uneven_async"]] == [[1.0] * (r + 2) for r in range(world_size)]
+        assert torch.equal(seen["all_reduce"], reference)
+        assert torch.equal(seen["coalesced"], reference)
+        if rank == 0:
+            assert torch.equal(seen["reduce"], reference)
+        assert torch.equal(seen["reduce_scatter"], reference[rank * 6 : rank * 6 + 6])
+        assert seen["integers_untouched"] or not seen["emulated"]
+
+
+@pytest.mark.parametrize("force_avg_emulation", [False, True], ids=["native-avg", "emulated-avg"])
+def test_uneven_all_gather_and_avg_on_gloo(force_avg_emulation):
+    results = run_ranks(_uneven_and_avg, 2, args=(force_avg_emulation,))
+    _check_uneven_and_avg(results, 2)
+    if force_avg_emulation:
+        assert results[0]["torch_avg"] == "ok"  # gloo itself still does AVG
+
+
+def test_uneven_all_gather_and_avg_on_simulated_hccl_without_avg():
+    simulate = dict(NPU, unsupported_ops=[ReduceOp.AVG])
+    results = run_ranks(_uneven_and_avg, 2, backend="hccl", simulate=simulate, args=(False,))
+    _check_uneven_and_avg(results, 2)
+    assert results[0]["torch_avg"] == "Cannot use ReduceOp.AVG with HCCL"
+
+
+def _failures_leave_tensors_unchanged(rank, world_size):
+    register_faulty_backend()
+    group = dist.new_group([0, 1], backend="faulty")
+    problems = []
+    for name, call, make in _wrapper_calls(rank, group):
+        for mode in ("raise", "fail_wait"):
+            for async_op in (False, True):
+                tensors = make(torch.float32, True)
+                before = [t.clone() for t in tensors]
+                PLAN.clear()
+                (PLAN.raise_on if mode == "raise" else PLAN.fail_wait_on).update(range(PLAN.calls + 1, PLAN.calls + 3))
+                try:
+                    work = call(comm, tensors, async_op)
+                    if work is not None:
+                        work.wait()
+                    problems.append(f"{name} {mode} async={async_op}: no error")
+                except RuntimeError as error:
+                    if INJECTED not in str(error) or "comm staged" not in "".join(getattr(error, "__notes__", [])):
+                        problems.append(f"{name} {mode}: unexpected error {error!r}")
+                if not all(torch.equal(a, b) for a, b in zip(tensors, before)):
+                    problems.append(f"{name} {mode} async={async_op}: caller's tensors changed")
+                PLAN.clear()
+                dist.barrier(group=group)  # realign ranks after a one-sided failure
+    recovered = torch.full((2,), float(rank))
+    comm.all_reduce(recovered, group=group)
+    if not torch.equal(recovered, torch.full((2,), 1.0)):
+        problems.append("the next call after failures was wrong")
+    return problems
+
+
+def test_staging_failure_leaves_caller_tensors_bit_identical():
+    assert run_ranks(_failures_leave_tensors_unchanged, 2, backend="hccl", simulate=NPU) == [[], []]
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _stats_and_log(rank, world_size):
+    records = _Records()
+    logging.getLogger("comm").addHandler(records)
+    logging.getLogger("comm").setLevel(logging.INFO)
+    comm.reset_stats()
+    for _ in range(3):
+        comm.all_reduce(torch.ones(4))  # staged: 16 bytes in, 16 bytes back
+    comm.all_reduce(torch.ones(4, device=f"npu:{rank}"))  # native
+    comm.broadcast(torch.ones(2, dtype=torch.float64), src=0)
+    return comm.stats(), records.messages
+
+
+def test_stats_and_first_staging_log():
+    for rank, (stats, messages) in enumerate(run_ranks(_stats_and_log, 2, backend="hccl", simulate=NPU)):
+        assert stats["all_reduce"]["calls"] == 4
+        assert stats["all_reduce"]["staged_calls"] == 3
+        assert stats["all_reduce"]["bytes_staged"] == 3 * 32
+        assert stats["all_reduce"]["staging_seconds"] > 0
+        assert stats["broadcast"]["staged_calls"] == 1
+        assert stats["broadcast"]["bytes_staged"] == 16
+        assert messages.count(
+            f"all_reduce: staging 1 tensor(s) cpu -> npu:{rank}; 1 tensor(s) npu:{rank} -> cpu "
+            "because the group serves only ['npu']"
+        ) == 1
+        assert len(messages) == 2
+
+
+def _bad_inputs(rank, world_size):
+    original = torch.arange(4.0)
+    tensor = original.clone()
+    cases = [
+        (lambda: comm.all_reduce([1.0]), TypeError, "tensor must be a torch.Tensor, got list"),
+        (lambda: comm.all_reduce(torch.ones(2, device="meta")), ValueError, "tensor is on the meta device"),
+        (lambda: comm.all_gather([tensor], tensor), ValueError, "tensor_list has 1 tensors; expected one per rank"),
+        (lambda: comm.all_gather([tensor, tensor.long()], tensor), ValueError, r"tensor_list\[1\] has dtype torch.int64"),
+        (lambda: comm.all_gather(tensor, tensor), TypeError, "tensor_list must be a list of torch.Tensor"),
+        (lambda: comm.broadcast(tensor, src=5), ValueError, r"src=5 is not a rank of the group; expected one of \[0, 1\]"),
+        (lambda: comm.broadcast(tensor, group_src=2), ValueError, "group_src=2 is out of range"),
+        (lambda: comm.broadcast(tensor, src=0, group_src=0), ValueError, "pass src or group_src, not both"),
+        (lambda: comm.broadcast(tensor), ValueError, "src .* or group_src .* is required"),
+        (lambda: comm.reduce(tensor, dst="0"), TypeError, "dst must be an int, got str"),
+        (lambda: comm.all_gather_into_tensor(torch.zeros(3), tensor), ValueError, "output_tensor has 3 elements; expected 8"),
+        (lambda: comm.reduce_scatter_tensor(torch.zeros(2), tensor.long()), ValueError, "input has dtype torch.int64"),
+        (lambda: comm.all_reduce(tensor, group="world"), TypeError, "group must be a torch.distributed.ProcessGroup"),
+        (lambda: comm.all_reduce_coalesced(tensor), TypeError, "tensors must be a list of torch.Tensor"),
+    ]
+    failures = []
+    for run, kind, message in cases:
+        try:
+            run()
+            failures.append(f"{message}: no error")
+        except kind as error:
+            import re
+
+            if not re.search(message, str(error)):
+                failures.append(f"{message}: got {error}")
+        if not torch.equal(tensor, original):
+            failures.append(f"{message}: the input was modified")
+    return failures
+
+
+def test_bad_input_is_refused_before_anything_changes():
+    assert run_ranks(_bad_inputs, 2) == [[], []]
+
+
+def test_uninitialised_default_group():
+    with pytest.raises(RuntimeError, match="default process group is not initialized"):
+        comm.all_reduce(torch.ones(1))
