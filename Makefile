@@ -23,5 +23,14 @@ demo: $(VENV)/.installed
 	@echo "== simulated NPU (hccl) =="
 	$(TORCHRUN) examples/bind_and_reduce.py --simulate npu
 
+bench: $(VENV)/.installed
+	$(PY) benchmarks/overhead.py
+
+# On a GPU machine, with the Python that has its CUDA build of torch and pytest
+# (a fresh .venv would install the CPU build pinned for CI).
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -m cuda -p no:xdist -p no:cacheprovider -s -q
+
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -162,12 +162,13 @@ def _lookup_group_info(group: dist.ProcessGroup) -> _GroupInfo:
 
 def _resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
     if group is None:
-        if not dist.is_initialized():
+        default = dist.GroupMember.WORLD
+        if default is None:
             raise RuntimeError(
                 "the default process group is not initialized; call "
                 "comm.init_process_group() (or torch.distributed.init_process_group) first"
             )
-        return dist.distributed_c10d._get_default_group()
+        return default
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     return group
@@ -237,19 +238,48 @@ def _backend_capability(backend: str) -> FrozenSet[str]:
     return _FALLBACK_CAPABILITY.get(backend, frozenset())
 
 
+def _dead_ref() -> None:
+    """Stands in for a weak reference to a collected group: it returns None."""
+    return None
+
+
 class _GroupCache:
-    """A per-group cache that forgets a group once it is garbage collected."""
+    """A per-group cache that forgets a group once it is garbage collected.
+
+    Keyed by ``id(group)`` with a weak reference beside the value: a lookup is one
+    dict read and one dereference, cheaper than a WeakKeyDictionary, which builds
+    a weak reference on every read. Reads take no lock (a dict read is atomic).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: "weakref.WeakKeyDictionary[dist.ProcessGroup, Any]" = weakref.WeakKeyDictionary()
+        self._entries: Dict[int, Tuple["weakref.ref[dist.ProcessGroup]", Any]] = {}
+        self._last: Tuple[Any, Any] = (_dead_ref, None)
 
     def get(self, group: dist.ProcessGroup) -> Any:
-        return self._entries.get(group)  # a dict read: atomic, no lock needed
+        last = self._last  # most calls use the group of the call before
+        if last[0]() is group:
+            return last[1]
+        entry = self._entries.get(id(group))
+        if entry is not None and entry[0]() is group:
+            self._last = entry
+            return entry[1]
+        return None
 
     def set(self, group: dist.ProcessGroup, value: Any) -> None:
+        key = id(group)
+        ref = weakref.ref(group, lambda _, key=key: self._forget(key))
         with self._lock:
-            self._entries[group] = value
+            self._entries[key] = (ref, value)
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0]() is None:
+                del self._entries[key]
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 _GROUP_INFO = _GroupCache()

@@ -48,6 +48,7 @@ _gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 Work = Any  # torch's work object, or comm's DeferredWork
+_SUM = ReduceOp.SUM
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None,
@@ -56,11 +57,11 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Optional[dis
     pg = _member_group(group)
     if pg is None:
         return _TORCH.all_reduce(tensor, op, group, async_op)
-    _check_tensor(tensor, "tensor")
+    device_type = _check_tensor(tensor, "tensor")
     count_call("all_reduce")
-    emulate_avg = _emulates_avg(op, pg, tensor, "all_reduce")
-    if not emulate_avg and _served(tensor, pg):
-        return _TORCH.all_reduce(tensor, op, pg, async_op)
+    emulate_avg = op is not _SUM and _emulates_avg(op, pg, tensor, "all_reduce")
+    if not emulate_avg and device_type in _group_info(pg).device_types:
+        return _TORCH.all_reduce(tensor, op, group, async_op)
     return _all_reduce_buckets("all_reduce", [tensor], op, pg, async_op, emulate_avg)
 
 
@@ -333,13 +334,13 @@ class _Staging:
 
 def _member_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     """The group to use, or None when this rank is not a member (torch then returns)."""
-    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+    if group is not None and isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
         return None
     return _resolve_group(group)
 
 
 def _served(tensor: torch.Tensor, pg: dist.ProcessGroup) -> bool:
-    return tensor.device.type in _group_info(pg).device_types
+    return _device_type(tensor) in _group_info(pg).device_types
 
 
 def _comm_device(tensor: torch.Tensor, pg: dist.ProcessGroup) -> torch.device:
@@ -350,17 +351,30 @@ def _comm_device(tensor: torch.Tensor, pg: dist.ProcessGroup) -> torch.device:
 
 def _emulates_avg(op: Any, pg: dist.ProcessGroup, tensor: torch.Tensor, kind: str) -> bool:
     """True when AVG must run as SUM then divide; raises torch's error for integer tensors."""
-    if op != ReduceOp.AVG or _native_avg(pg, _comm_device(tensor, pg).type, kind):
+    if op is _SUM or op != ReduceOp.AVG or _native_avg(pg, _comm_device(tensor, pg).type, kind):
         return False
     torch.empty(0, dtype=tensor.dtype).div_(2)  # torch's own error for integer and bool tensors
     return True
 
 
-def _check_tensor(tensor: Any, name: str) -> None:
+def _device_type(tensor: torch.Tensor) -> str:
+    # is_cpu and is_cuda are plain flags; building a torch.device costs enough to
+    # measurably delay a small collective (see benchmarks/overhead.py).
+    if tensor.is_cpu:
+        return "cpu"
+    if tensor.is_cuda:
+        return "cuda"
+    return tensor.device.type
+
+
+def _check_tensor(tensor: Any, name: str) -> str:
+    """Refuse what is not a tensor with data; return its device type."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type == "meta":
+    device_type = _device_type(tensor)
+    if device_type == "meta":
         raise ValueError(f"{name} is on the meta device, which holds no data; expected a tensor with storage")
+    return device_type
 
 
 def _check_tensor_list(tensors: Any, name: str, length: Optional[int] = None,

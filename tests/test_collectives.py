@@ -1,6 +1,7 @@
 """comm.collectives: torch's results on every device, staging where the backend needs it."""
 
 import logging
+import time
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 import comm
+import comm.testing
 from faults import INJECTED, PLAN, register_faulty_backend
 from multiproc import run_ranks
 
@@ -269,11 +271,20 @@ def _stats_and_log(rank, world_size):
         comm.all_reduce(torch.ones(4))  # staged: 16 bytes in, 16 bytes back
     comm.all_reduce(torch.ones(4, device=f"npu:{rank}"))  # native
     comm.broadcast(torch.ones(2, dtype=torch.float64), src=0)
-    return comm.stats(), records.messages
+    stats = comm.stats()
+    comm.testing.reset_counters()
+    many = [torch.full((3,), float(rank)) for _ in range(8)]
+    comm.all_reduce_coalesced(many)  # eight small tensors: one transfer each way, one collective
+    counted = comm.testing.counters()
+    correct = all(torch.equal(t, torch.full((3,), 1.0)) for t in many)
+    return stats, records.messages, counted, correct
 
 
 def test_stats_and_first_staging_log():
-    for rank, (stats, messages) in enumerate(run_ranks(_stats_and_log, 2, backend="hccl", simulate=NPU)):
+    for rank, (stats, messages, counted, correct) in enumerate(
+        run_ranks(_stats_and_log, 2, backend="hccl", simulate=NPU)
+    ):
+        assert counted == {"transfers": 2, "collectives": 1} and correct
         assert stats["all_reduce"]["calls"] == 4
         assert stats["all_reduce"]["staged_calls"] == 3
         assert stats["all_reduce"]["bytes_staged"] == 3 * 32
@@ -284,7 +295,7 @@ def test_stats_and_first_staging_log():
             f"all_reduce: staging 1 tensor(s) cpu -> npu:{rank}; 1 tensor(s) npu:{rank} -> cpu "
             "because the group serves only ['npu']"
         ) == 1
-        assert len(messages) == 2
+        assert len(messages) == 3  # all_reduce, broadcast, all_reduce_coalesced: once each
 
 
 def _bad_inputs(rank, world_size):
@@ -328,3 +339,55 @@ def test_bad_input_is_refused_before_anything_changes():
 def test_uninitialised_default_group():
     with pytest.raises(RuntimeError, match="default process group is not initialized"):
         comm.all_reduce(torch.ones(1))
+
+
+@pytest.mark.cuda
+def test_cpu_tensors_on_a_real_nccl_group(nccl_group):
+    """The second seed on real hardware: torch refuses CPU tensors on nccl, comm stages them."""
+    with pytest.raises(RuntimeError, match=SEED_ERROR):
+        dist.all_reduce(torch.ones(4))
+    comm.reset_stats()
+    values = torch.arange(8.0)
+    summed = values.clone()
+    comm.all_reduce(summed)
+    assert torch.equal(summed, values) and summed.device.type == "cpu"
+    averaged = values.clone()
+    comm.all_reduce(averaged, op=ReduceOp.AVG)  # nccl's AVG is emulated at world size 1
+    assert torch.equal(averaged, values)
+    sent = values.clone()
+    comm.broadcast(sent, src=0)
+    assert torch.equal(sent, values)
+    gathered = [torch.zeros(8)]
+    work = comm.all_gather(gathered, values, async_op=True)
+    work.wait()
+    assert torch.equal(gathered[0], values)
+    uneven = [torch.zeros(3)]
+    comm.all_gather(uneven, values[:3])
+    assert torch.equal(uneven[0], values[:3])
+    scattered = torch.zeros(8)
+    comm.reduce_scatter_tensor(scattered, values.clone())
+    assert torch.equal(scattered, values)
+    assert comm.stats()["all_reduce"]["staged_calls"] == 2
+
+
+@pytest.mark.cuda
+def test_staging_bandwidth_for_one_gib(nccl_group):
+    """Prints staging throughput for a 1 GiB CPU tensor against a plain pinned round trip."""
+    elements = 1 << 28  # 1 GiB of float32
+    host = torch.ones(elements)
+    comm.all_reduce(host[:1024])  # warm up the path and NCCL
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    comm.all_reduce(host)
+    torch.cuda.synchronize()
+    staged = time.perf_counter() - start
+    pinned = torch.ones(elements).pin_memory()
+    start = time.perf_counter()
+    on_device = pinned.to("cuda", non_blocking=True)
+    pinned.copy_(on_device, non_blocking=True)
+    torch.cuda.synchronize()
+    plain = time.perf_counter() - start
+    gib = elements * 4 / 2**30
+    print(f"\nstaging 1 GiB through comm.all_reduce: {staged:.3f} s ({2 * gib / staged:.1f} GiB/s moved); "
+          f"pinned H2D+D2H copy: {plain:.3f} s ({2 * gib / plain:.1f} GiB/s)")
+    assert torch.equal(host[:4], torch.ones(4))

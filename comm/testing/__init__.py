@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from comm.testing import _device, _process_group
+from comm.testing._device import counters, reset_counters
 
-__all__ = ["simulate_accelerator", "simulated_accelerator"]
+__all__ = ["counters", "reset_counters", "simulate_accelerator", "simulated_accelerator"]
 
 _LOCK = threading.Lock()
 _ACTIVE: Optional[Tuple[str, str, int, frozenset]] = None

@@ -21,6 +21,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 _CROSS_DEVICE_OPS = frozenset(
     {"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "to", "lift_fresh", "index", "index_put_", "index_put"}
 )
+# Copies that move data between the host and the simulated device when their
+# tensors are on different devices: counted as transfers.
+_COPY_OPS = frozenset({"copy_", "_copy_from", "_copy_from_and_resize", "_to_copy"})
 # Collective operators must reach the process group with the wrappers intact.
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
 
@@ -30,10 +33,15 @@ class _DeviceState:
 
     def __init__(self, name: str, count: int) -> None:
         self.name = name
-        self.count = count
+        self.device_count = count
         self.index = 0
         self.reserved = [0] * count
         self.lock = threading.Lock()
+        self.counters = {"transfers": 0, "collectives": 0}
+
+    def count(self, what: str) -> None:
+        with self.lock:
+            self.counters[what] += 1
 
     def record_allocation(self, index: int, nbytes: int) -> None:
         with self.lock:
@@ -86,6 +94,19 @@ def _boxed_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     return _run_on_payloads(op, args, kwargs)
 
 
+def counters() -> Dict[str, int]:
+    """Host<->device transfers and collectives issued on the simulated device so far."""
+    state = _state()
+    with state.lock:
+        return dict(state.counters)
+
+
+def reset_counters() -> None:
+    state = _state()
+    with state.lock:
+        state.counters = dict.fromkeys(state.counters, 0)
+
+
 def _copy_kernel(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """PrivateUse1 ``copy_``: torch's C++ code (``torch.tensor(data, device=...)``)
     copies with the Python dispatch key excluded, where the boxed fallback fails."""
@@ -128,18 +149,29 @@ def _run_on_payloads(func: Any, args: Any, kwargs: Dict[str, Any]) -> Any:
 
 def _target_device(func: Any, args: Any, kwargs: Dict[str, Any], state: _DeviceState) -> torch.device:
     """Where the results live: the ``device=`` argument, else the simulated inputs' device."""
+    tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
     if kwargs.get("device") is not None:
         target = torch.device(kwargs["device"])
         if target.type == state.name and target.index is None:
             target = torch.device(state.name, state.index)
+        if func._opname in _COPY_OPS and _crosses_devices(tensors, kwargs):
+            state.count("transfers")
         return target
-    tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
     simulated = [t for t in tensors if isinstance(t, SimulatedTensor)]
     if not simulated:
         return torch.device("cpu")
+    if func._opname in _COPY_OPS and _crosses_devices(tensors, kwargs):
+        state.count("transfers")
     if func._opname not in _CROSS_DEVICE_OPS:
         _check_same_device(tensors)
     return simulated[0].device
+
+
+def _crosses_devices(tensors: List[torch.Tensor], kwargs: Dict[str, Any]) -> bool:
+    types = {t.device.type for t in tensors}
+    if kwargs.get("device") is not None:
+        types.add(torch.device(kwargs["device"]).type)
+    return len(types) > 1
 
 
 def _check_same_device(tensors: List[torch.Tensor]) -> None:
@@ -180,8 +212,8 @@ def _index_of(device: Any) -> int:
 def _set_device(device: Any) -> None:
     state = _state()
     index = _index_of(device)
-    if not 0 <= index < state.count:
-        raise RuntimeError(f"Invalid device index {index}: the simulated {state.name} has {state.count} devices")
+    if not 0 <= index < state.device_count:
+        raise RuntimeError(f"Invalid device index {index}: the simulated {state.name} has {state.device_count} devices")
     state.index = index
 
 
@@ -190,7 +222,7 @@ def _current_device() -> int:
 
 
 def _device_count() -> int:
-    return _state().count
+    return _state().device_count
 
 
 def _memory_reserved(device: Any = None) -> int:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map
 
-from comm.testing._device import SimulatedTensor
+from comm.testing._device import SimulatedTensor, _state
 
 # The ProcessGroup methods c10d calls on a backend, and gloo's name for each.
 _FORWARDED = {
@@ -100,6 +100,7 @@ def _payload(value: Any) -> Any:
 def _forwarding(name: str, gloo_name: str) -> Callable[..., Any]:
     def method(self: SimulatedProcessGroup, *args: Any, **kwargs: Any) -> Any:
         self._check(args, kwargs)
+        _state().count("collectives")
         args, kwargs = tree_map(_payload, (args, kwargs))
         return getattr(self._inner, gloo_name)(*args, **kwargs)
 
