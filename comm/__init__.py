@@ -15,6 +15,7 @@ from comm.collectives import (
 )
 from comm.backend import default_backend, device_types, init_process_group
 from comm.device import accelerator_type, bind, current_device, empty_cache
+from comm.norm import clip_grad_norm_, total_norm
 from comm.staging import staging_device
 from comm.stats import reset_stats, stats
 
@@ -25,10 +26,12 @@ __all__ = [
     "all_reduce",
     "all_reduce_coalesced",
     "broadcast",
+    "clip_grad_norm_",
     "reduce",
     "reduce_scatter_tensor",
     "reset_stats",
     "stats",
+    "total_norm",
     "bind",
     "current_device",
     "default_backend",
