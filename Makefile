@@ -25,6 +25,7 @@ demo: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/clip_grad.py
 
 # On a GPU machine, with the Python that has its CUDA build of torch and pytest
 # (a fresh .venv would install the CPU build pinned for CI).

@@ -18,10 +18,8 @@ comm; it counts host<->device transfers and collectives issued.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import statistics
-import tempfile
 import time
 from typing import Any, Callable, Dict, List
 
@@ -30,6 +28,7 @@ import torch.distributed as dist
 
 import comm
 import comm.testing
+from _launch import run_ranks
 
 SIZES = (1, 1024, 1024 * 1024)
 CALLS = {1: 4000, 1024: 4000, 1024 * 1024: 400}  # timed calls per side
@@ -113,52 +112,24 @@ def staging_counts(rank: int) -> List[Dict[str, float]]:
     return rows
 
 
-def _rank(rank: int, world_size: int, store_path: str, scenario: str, results: Any) -> None:
-    os.environ["LOCAL_RANK"] = str(rank)
-    if scenario == "staging":
-        comm.testing.simulate_accelerator("npu", "hccl")
-        comm.bind(rank)
-    backend = "hccl" if scenario == "staging" else "gloo"
-    dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
-    rows = {"fast": fast_path, "cost": cpu_cost, "staging": staging_counts}[scenario](rank)
-    if rank == 0:
-        results.put(rows)
-    dist.destroy_process_group()
-
-
-def run(scenario: str, world_size: int = 2) -> List[Dict[str, float]]:
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as workdir:
-        store = os.path.join(workdir, "store")
-        ranks = [context.Process(target=_rank, args=(r, world_size, store, scenario, results))
-                 for r in range(world_size)]
-        for process in ranks:
-            process.start()
-        rows = results.get(timeout=600)
-        for process in ranks:
-            process.join()
-    return rows
-
-
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, 2 ranks; medians of single calls taken in ABBA order")
     print("\nFast path: each candidate vs torch.distributed.all_reduce (CPU tensors, gloo);")
     print("the torch-vs-torch rows are the A/A control: the harness's own noise and bias")
     print(f"{'candidate':>12} {'elements':>10} {'torch us/call':>14} {'candidate us/call':>18} {'ratio':>7}")
-    for row in run("fast"):
+    for row in run_ranks(fast_path):
         name = "comm" if row["candidate"] == "all_reduce" else "torch again"
         print(f"{name:>12} {row['elements']:>10} {row['torch_us']:>14.1f} {row['comm_us']:>18.1f} {row['ratio']:>7.3f}")
     print("\nCPU time of the calling thread per call, 1-rank gloo group (no peer to wait for), 1 element")
-    for row in run("cost", world_size=1):
+    for row in run_ranks(cpu_cost, world_size=1):
         name = "comm" if row["candidate"] == "all_reduce" else "torch again"
         print(f"{name:>12}: torch {row['torch_us']:.2f} us, {name} {row['comm_us']:.2f} us, "
               f"difference {row['comm_us'] - row['torch_us']:+.2f} us")
     print("\nStaging path: N CPU tensors of 256 floats on the simulated NPU's hccl group")
     print(f"{'tensors':>8} {'coalesced: transfers':>21} {'collectives':>12} {'one by one: transfers':>22} "
           f"{'collectives':>12} {'correct':>8}")
-    for row in run("staging"):
+    for row in run_ranks(staging_counts, backend="hccl", simulate={"name": "npu", "backend": "hccl"}):
         print(f"{row['tensors']:>8} {row['transfers']:>21} {row['collectives']:>12} "
               f"{row['one_by_one_transfers']:>22} {row['one_by_one_collectives']:>12} {str(row['correct']):>8}")
 

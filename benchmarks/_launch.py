@@ -1,0 +1,43 @@
+"""Start benchmark ranks: spawned processes meeting through a FileStore; rank 0 reports."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+from typing import Any, Callable, Dict, List, Optional
+
+import torch.distributed as dist
+
+
+def run_ranks(body: Callable[[int], Any], world_size: int = 2, backend: str = "gloo",
+              simulate: Optional[Dict[str, Any]] = None) -> Any:
+    """Run ``body(rank)`` on ``world_size`` fresh processes in a group; return rank 0's result."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as workdir:
+        store = os.path.join(workdir, "store")
+        ranks = [context.Process(target=_rank, args=(body, r, world_size, store, backend, simulate, results))
+                 for r in range(world_size)]
+        for process in ranks:
+            process.start()
+        result = results.get(timeout=900)
+        for process in ranks:
+            process.join()
+    return result
+
+
+def _rank(body: Callable[[int], Any], rank: int, world_size: int, store: str, backend: str,
+          simulate: Optional[Dict[str, Any]], results: Any) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)
+    if simulate is not None:
+        import comm
+        import comm.testing
+
+        comm.testing.simulate_accelerator(**simulate)
+        comm.bind(rank)
+    dist.init_process_group(backend, store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
+    result = body(rank)
+    if rank == 0:
+        results.put(result)
+    dist.destroy_process_group()
