@@ -17,11 +17,16 @@ $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 test: $(VENV)/.installed
 	$(PY) -m pytest -n auto -q
 
+# DEMO_ARGS=--no-simulate runs the FSDP2 example on plain CPU gloo.
+DEMO_ARGS ?=
+
 demo: $(VENV)/.installed
-	@echo "== CPU (gloo) =="
-	$(TORCHRUN) examples/bind_and_reduce.py
-	@echo "== simulated NPU (hccl) =="
-	$(TORCHRUN) examples/bind_and_reduce.py --simulate npu
+	@echo "== bind, all-reduce, release the cache: CPU (gloo) =="
+	@$(TORCHRUN) examples/bind_and_reduce.py
+	@echo "== the same on the simulated NPU (hccl) =="
+	@$(TORCHRUN) examples/bind_and_reduce.py --simulate npu
+	@echo "== FSDP2 with CPU-offloaded gradients: torch's clip, then comm's =="
+	@$(TORCHRUN) examples/fsdp2_offload_clip.py $(DEMO_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/overhead.py

@@ -1,9 +1,14 @@
 """comm: torch.distributed collectives that run on whatever accelerator a job has.
 
-Device binding (:mod:`comm.device`), backend resolution (:mod:`comm.backend`) and
-staging of tensors onto a device the group's backend serves (:mod:`comm.staging`).
+Device binding (:mod:`comm.device`), backend resolution (:mod:`comm.backend`),
+staging of tensors onto a device the group's backend serves (:mod:`comm.staging`),
+the collectives (:mod:`comm.collectives`), gradient norms (:mod:`comm.norm`),
+counters (:mod:`comm.stats`) and the drop-in mode (:mod:`comm.patch`).
 """
 
+import os
+
+from comm.backend import default_backend, device_types, init_process_group
 from comm.collectives import (
     all_gather,
     all_gather_into_tensor,
@@ -13,9 +18,9 @@ from comm.collectives import (
     reduce,
     reduce_scatter_tensor,
 )
-from comm.backend import default_backend, device_types, init_process_group
 from comm.device import accelerator_type, bind, current_device, empty_cache
 from comm.norm import clip_grad_norm_, total_norm
+from comm.patch import is_patched, patch, patched, unpatch
 from comm.staging import staging_device
 from comm.stats import reset_stats, stats
 
@@ -25,18 +30,34 @@ __all__ = [
     "all_gather_into_tensor",
     "all_reduce",
     "all_reduce_coalesced",
+    "bind",
     "broadcast",
     "clip_grad_norm_",
-    "reduce",
-    "reduce_scatter_tensor",
-    "reset_stats",
-    "stats",
-    "total_norm",
-    "bind",
     "current_device",
     "default_backend",
     "device_types",
     "empty_cache",
     "init_process_group",
+    "is_patched",
+    "patch",
+    "patched",
+    "reduce",
+    "reduce_scatter_tensor",
+    "reset_stats",
     "staging_device",
+    "stats",
+    "total_norm",
+    "unpatch",
 ]
+
+
+def _patch_if_asked() -> None:
+    """``COMM_PATCH=1`` in the environment patches torch at ``import comm``."""
+    value = os.environ.get("COMM_PATCH", "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        patch()
+    elif value not in ("", "0", "false", "no", "off"):
+        raise ValueError(f"COMM_PATCH={value!r} is not understood; expected 1 or 0 (true/false, yes/no, on/off)")
+
+
+_patch_if_asked()

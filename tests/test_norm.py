@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import comm
+import comm.testing
 from multiproc import run_ranks
 
 NPU = {"name": "npu", "backend": "hccl"}
@@ -179,22 +180,15 @@ def test_expert_mesh_and_ranks_without_gradient():
     assert run_ranks(_expert_mesh, 4, pg_timeout=30, timeout=300) == [[]] * 4
 
 
-def _offloaded_gradients(mesh, full, rank):
-    """DTensor gradients as FSDP2's CPU offload leaves them: local shard on the CPU, mesh on npu."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    local = full.chunk(mesh.size())[rank].clone()
-    spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=TensorMeta(full.shape, full.stride(), full.dtype))
-    return DTensor(local, spec, requires_grad=False)
-
-
 def _second_seed(rank, world_size):
     mesh = init_device_mesh("npu", (world_size,))
+    cpu_mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
     full = _full_gradients(3, torch.float32)
     params = []
     for f in full:
-        param = _offloaded_gradients(mesh, torch.zeros_like(f), rank).requires_grad_()
-        param.grad = _offloaded_gradients(mesh, f, rank)
+        param = comm.testing.offloaded(distribute_tensor(torch.zeros_like(f), cpu_mesh, [Shard(0)]), mesh)
+        param.requires_grad_()
+        param.grad = comm.testing.offloaded(distribute_tensor(f, cpu_mesh, [Shard(0)]), mesh)
         params.append(param)
     seen = {"local_device": str(params[0].grad.to_local().device), "mesh": mesh.device_type}
     try:

@@ -7,7 +7,10 @@ collectives, like an Ascend machine: ``torch.device("npu:1")``, ``.to("npu")``,
 with ``No backend type associated with device type cpu``, as it does on real hardware.
 
 Known differences from a real device: tensors are wrapper subclasses, so storage
-tricks (``untyped_storage().resize_``) are unsupported, and a composite backend
+tricks (``untyped_storage().resize_``, ``param.data = ...``) are unsupported and
+FSDP2 cannot host its parameters here; backward runs on ``npu:0`` only (torch's
+autograd engine sizes its device queues from a C++ device guard that a Python
+backend cannot implement), so train one process per node; a composite backend
 string naming the simulated backend (``"cpu:gloo,npu:hccl"``) yields a group that
 serves only the simulated device (c10d hands a Python process group every device);
 and ``device_id`` does not reach the group's ``bound_device_id`` (c10d replaces the
@@ -28,7 +31,7 @@ import torch.distributed as dist
 from comm.testing import _device, _process_group
 from comm.testing._device import counters, reset_counters
 
-__all__ = ["counters", "reset_counters", "simulate_accelerator", "simulated_accelerator"]
+__all__ = ["counters", "offloaded", "reset_counters", "simulate_accelerator", "simulated_accelerator"]
 
 _LOCK = threading.Lock()
 _ACTIVE: Optional[Tuple[str, str, int, frozenset]] = None
@@ -90,3 +93,21 @@ def _check_arguments(name: str, backend: str, device_count: int) -> None:
         raise ValueError(f"backend {backend!r} is already registered with torch.distributed; expected a new name")
     if isinstance(device_count, bool) or not isinstance(device_count, int) or device_count < 1:
         raise ValueError(f"device_count must be a positive int, got {device_count!r}")
+
+
+def offloaded(tensor: torch.Tensor, mesh: "torch.distributed.device_mesh.DeviceMesh") -> torch.Tensor:
+    """``tensor`` (a DTensor) seen on ``mesh``, its local shard left where it is.
+
+    This is how FSDP2 with ``CPUOffloadPolicy`` presents gradients on an
+    accelerator: local tensors on the CPU, mesh (and process group) on the device.
+    ``DTensor.from_local`` cannot build it (it moves the local tensor to the mesh's
+    device). The result shares the local tensor: scaling one scales the other.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    if not isinstance(tensor, DTensor):
+        raise TypeError(f"tensor must be a DTensor, got {type(tensor).__name__}")
+    meta = TensorMeta(tensor.shape, tensor.stride(), tensor.dtype)
+    spec = DTensorSpec(mesh, tuple(tensor.placements), tensor_meta=meta)
+    return DTensor(tensor._local_tensor, spec, requires_grad=tensor.requires_grad)

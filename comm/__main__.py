@@ -1,0 +1,64 @@
+"""``python -m comm``: run a script or module with torch patched to use comm.
+
+    python -m comm [--no-clip] script.py [args...]
+    python -m comm [--no-clip] -m package.module [args...]
+    torchrun --nproc-per-node 2 -m comm train.py --lr 1e-3
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import List, Optional
+
+import comm
+
+USAGE = """usage: python -m comm [--no-clip] script.py [args...]
+       python -m comm [--no-clip] -m module [args...]
+
+Runs the script or module as __main__, with its own arguments, after comm.patch():
+torch.distributed's collectives (all_reduce, broadcast, all_gather,
+all_gather_into_tensor, reduce_scatter_tensor, reduce) and
+torch.nn.utils.clip_grad_norm_ become comm's, which stage tensors onto a device
+the process group's backend serves.
+
+options:
+  --no-clip   leave torch.nn.utils.clip_grad_norm_ as it is
+  -m MODULE   run a module, as python -m does
+  -h, --help  show this message
+
+Code that imported a function by name before the patch keeps torch's original."""
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    clip = True
+    while args and args[0] in ("--no-clip", "-h", "--help"):
+        option = args.pop(0)
+        if option == "--no-clip":
+            clip = False
+        else:
+            print(USAGE)
+            return
+    if not args:
+        sys.exit(f"python -m comm: expected a script or -m module to run\n\n{USAGE}")
+    comm.patch(clip_grad_norm=clip)
+    if args[0] == "-m":
+        if len(args) < 2:
+            sys.exit("python -m comm: -m needs a module name")
+        module, rest = args[1], args[2:]
+        sys.argv = [module, *rest]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        script, rest = args[0], args[1:]
+        if not os.path.isfile(script):
+            sys.exit(f"python -m comm: can't open file {script!r}: no such file")
+        sys.argv = [script, *rest]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

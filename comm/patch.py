@@ -1,0 +1,103 @@
+"""Drop-in mode: comm's behaviour for code that calls torch.distributed itself.
+
+``comm.patch()`` puts comm's collectives (and ``clip_grad_norm_``) in place of
+torch's own, in every module torch exposes them from, so an existing trainer or a
+library (DeepSpeed, Accelerate, Lightning, torchmetrics) works unchanged when its
+tensors are on a device the group's backend does not serve.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+from comm import collectives, norm
+
+__all__ = ["is_patched", "patch", "patched", "unpatch"]
+
+_COLLECTIVE_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "reduce",
+)
+_CLIP_MODULES = ("torch.nn.utils", "torch.nn.utils.clip_grad")
+
+_LOCK = threading.RLock()
+# (module name, attribute) -> torch's original object, for each attribute replaced.
+_ORIGINALS: Dict[Tuple[str, str], Any] = {}
+
+
+def patch(clip_grad_norm: bool = True) -> None:
+    """Replace torch's collectives (and, unless told not to, ``clip_grad_norm_``) with comm's.
+
+    Idempotent and thread-safe. Code that imported a function by name before the
+    patch (``from torch.distributed import all_reduce``) keeps torch's original.
+    """
+    if not isinstance(clip_grad_norm, bool):
+        raise TypeError(f"clip_grad_norm must be a bool, got {type(clip_grad_norm).__name__}")
+    with _LOCK:
+        for module_name, name, replacement in _targets(clip_grad_norm):
+            _install(module_name, name, replacement)
+
+
+def unpatch() -> None:
+    """Put back torch's exact original objects. A no-op when nothing is patched."""
+    with _LOCK:
+        for (module_name, name), original in list(_ORIGINALS.items()):
+            setattr(importlib.import_module(module_name), name, original)
+            del _ORIGINALS[(module_name, name)]
+
+
+def is_patched() -> bool:
+    """Whether any of torch's functions is currently replaced by comm's."""
+    return bool(_ORIGINALS)
+
+
+@contextlib.contextmanager
+def patched(clip_grad_norm: bool = True) -> Iterator[None]:
+    """Patch inside a ``with`` block; nests, and undoes only what it patched itself."""
+    with _LOCK:
+        before = set(_ORIGINALS)
+        patch(clip_grad_norm)
+        added = set(_ORIGINALS) - before
+    try:
+        yield
+    finally:
+        with _LOCK:
+            for key in added & set(_ORIGINALS):  # unpatch() inside the block restored the rest
+                module_name, name = key
+                setattr(importlib.import_module(module_name), name, _ORIGINALS.pop(key))
+
+
+def _targets(clip_grad_norm: bool) -> List[Tuple[str, str, Callable[..., Any]]]:
+    targets = [(m, name, getattr(collectives, name)) for m in _COLLECTIVE_MODULES for name in _COLLECTIVES]
+    if clip_grad_norm:
+        targets += [(m, "clip_grad_norm_", norm.clip_grad_norm_) for m in _CLIP_MODULES]
+    return targets
+
+
+def _install(module_name: str, name: str, replacement: Callable[..., Any]) -> None:
+    if (module_name, name) in _ORIGINALS:
+        return
+    module = importlib.import_module(module_name)
+    original = getattr(module, name)
+    _ORIGINALS[(module_name, name)] = original
+    setattr(module, name, _stand_in(original, replacement))
+
+
+def _stand_in(original: Callable[..., Any], replacement: Callable[..., Any]) -> Callable[..., Any]:
+    """``replacement`` under ``original``'s name, docstring and signature."""
+
+    @functools.wraps(original)
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        return replacement(*args, **kwargs)
+
+    stand_in.__comm_replaces__ = original  # type: ignore[attr-defined]
+    return stand_in

@@ -1,0 +1,71 @@
+"""The examples, run as users run them: under real torchrun, on the CPU and the simulated NPU."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SEED_ERROR = "No backend type associated with device type cpu"
+
+
+def _env():
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def _torchrun(*args, timeout=240):
+    command = [sys.executable, "-m", "torch.distributed.run", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=timeout)
+
+
+def _free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_train_ddp_on_two_torchrun_nodes_over_loopback():
+    """Two agents with a c10d rendezvous on 127.0.0.1, one simulated-NPU process each."""
+    port = _free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}",
+              str(EXAMPLES / "train_ddp.py"), "--simulate", "npu", "--steps", "10"]
+    command = [sys.executable, "-m", "torch.distributed.run"]
+    nodes = [subprocess.Popen(command + common, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env()) for _ in range(2)]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    losses = sorted(re.findall(r"rank (\d)/2: device=npu:0 backend=hccl final loss (\S+)", "".join(o[0] for o in outputs)))
+    assert [rank for rank, _ in losses] == ["0", "1"]
+    assert losses[0][1] == losses[1][1]
+
+
+def test_legacy_trainer_fails_as_is_and_works_under_python_m_comm():
+    script = [str(EXAMPLES / "legacy_trainer.py"), "--simulate", "npu", "--steps", "3"]
+    plain = _torchrun("--standalone", "--nproc-per-node", "2", *script)
+    assert plain.returncode != 0 and SEED_ERROR in plain.stderr
+    patched = _torchrun("--standalone", "--nproc-per-node", "2", "-m", "comm", *script)
+    assert patched.returncode == 0, patched.stderr
+    lines = re.findall(r"rank (\d): mean loss (\S+) parameter checksum (\S+)", patched.stdout)
+    assert sorted(rank for rank, _, _ in lines) == ["0", "1"]
+    assert lines[0][1:] == lines[1][1:]  # the ranks stayed in sync
+
+
+def test_fsdp2_offload_example_shows_the_failure_then_trains():
+    result = _torchrun("--standalone", "--nproc-per-node", "2", str(EXAMPLES / "fsdp2_offload_clip.py"))
+    assert result.returncode == 0, result.stderr
+    assert f"torch.nn.utils.clip_grad_norm_ fails: RuntimeError: {SEED_ERROR}" in result.stdout
+    rows = re.findall(r"^\s+(\d)\s+(\d+\.\d+)\s+(\d+\.\d+)$", result.stdout, re.MULTILINE)
+    assert [int(step) for step, _, _ in rows] == [0, 1, 2, 3, 4]
+    assert re.search(r"comm staged 5 of 10 all_reduce calls \(\d+ bytes", result.stdout)
+
+
+def test_bind_and_reduce_on_cpu_and_simulated_npu():
+    for extra, device, backend in [([], "cpu", "gloo"), (["--simulate", "npu"], "npu:{rank}", "hccl")]:
+        result = _torchrun("--standalone", "--nproc-per-node", "2", str(EXAMPLES / "bind_and_reduce.py"), *extra)
+        assert result.returncode == 0, result.stderr
+        for rank in (0, 1):
+            expected = f"rank {rank}/2: device={device.format(rank=rank)} backend={backend} all_reduce sum=3 ok"
+            assert expected in result.stdout

@@ -1,0 +1,149 @@
+"""comm.patch: torch's collectives replaced in place, restored exactly, safely from threads."""
+
+import inspect
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+
+import comm
+import thirdparty
+from multiproc import init_group, run_ranks
+
+NPU = {"name": "npu", "backend": "hccl"}
+SEED_ERROR = "No backend type associated with device type cpu"
+PLACES = [(m, n) for m in (dist, c10d) for n in
+          ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce")]
+CLIP_PLACES = [(torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_norm_")]
+
+
+@pytest.fixture(autouse=True)
+def restore_torch():
+    yield
+    comm.unpatch()
+
+
+def _snapshot():
+    return {(m.__name__, n): getattr(m, n) for m, n in PLACES + CLIP_PLACES}
+
+
+def test_patch_and_unpatch_restore_the_exact_objects():
+    originals = _snapshot()
+    comm.patch()
+    assert comm.is_patched()
+    for (module_name, name), original in originals.items():
+        stand_in = getattr(sys.modules[module_name], name)
+        assert stand_in is not original
+        assert stand_in.__name__ == original.__name__ and stand_in.__doc__ == original.__doc__
+        assert inspect.signature(stand_in) == inspect.signature(original)
+        assert stand_in.__comm_replaces__ is original
+    comm.unpatch()
+    assert not comm.is_patched()
+    assert _snapshot() == originals and all(_snapshot()[k] is v for k, v in originals.items())
+
+
+def test_patch_is_idempotent_and_clip_is_optional():
+    originals = _snapshot()
+    comm.patch(clip_grad_norm=False)
+    first = _snapshot()
+    assert torch.nn.utils.clip_grad_norm_ is originals[("torch.nn.utils", "clip_grad_norm_")]
+    comm.patch(clip_grad_norm=False)
+    assert _snapshot() == first
+    comm.patch()  # adds the clip patch, keeps the rest
+    assert dist.all_reduce is first[("torch.distributed", "all_reduce")]
+    assert torch.nn.utils.clip_grad_norm_.__comm_replaces__ is originals[("torch.nn.utils", "clip_grad_norm_")]
+    comm.unpatch()
+    assert all(_snapshot()[k] is v for k, v in originals.items())
+    with pytest.raises(TypeError, match="clip_grad_norm must be a bool"):
+        comm.patch(clip_grad_norm="yes")
+
+
+def test_patched_context_manager_nests():
+    original = dist.all_reduce
+    with comm.patched():
+        outer = dist.all_reduce
+        with comm.patched():
+            assert dist.all_reduce is outer  # already patched: the inner block adds nothing
+        assert dist.all_reduce is outer
+        with comm.patched(clip_grad_norm=False):
+            pass
+        assert comm.is_patched()
+    assert dist.all_reduce is original and not comm.is_patched()
+
+
+def _threads_patching_and_calling(rank, world_size):
+    originals = _snapshot()
+    errors, results = [], []
+
+    def worker(index):
+        try:
+            for step in range(50):
+                comm.patch()
+                value = torch.full((3,), float(index))
+                dist.all_reduce(value)  # whichever function is in place now: both are right
+                results.append(torch.equal(value, torch.full((3,), float(index))))
+                with comm.patched(clip_grad_norm=False):
+                    pass
+                if step % 7 == 0:
+                    comm.unpatch()
+        except Exception as error:  # noqa: BLE001 - reported to the parent
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    comm.patch()
+    no_double_wrap = all(getattr(m, n).__comm_replaces__ is originals[(m.__name__, n)] for m, n in PLACES)
+    comm.unpatch()
+    restored = all(_snapshot()[k] is v for k, v in originals.items())
+    return errors, len(results), all(results), no_double_wrap, restored
+
+
+def test_eight_threads_patching_and_calling_at_once():
+    # One rank: the threads' collectives need no cross-rank ordering.
+    [(errors, count, correct, no_double_wrap, restored)] = run_ranks(_threads_patching_and_calling, 1)
+    assert errors == [] and count == 400 and correct and no_double_wrap and restored
+
+
+def _third_party_library(rank, world_size):
+    seen = {}
+    with pytest.raises(RuntimeError, match=SEED_ERROR):
+        thirdparty.sum_metric(torch.full((2,), float(rank + 1)))
+    with comm.patched():
+        seen["patched"] = thirdparty.sum_metric(torch.full((2,), float(rank + 1)))
+        seen["comm_still_works"] = comm.all_reduce(torch.ones(1)) is None  # no recursion
+        params = [torch.zeros(3, requires_grad=True)]
+        params[0].grad = torch.full((3,), 4.0)
+        seen["clip"] = torch.nn.utils.clip_grad_norm_(params, 1.0)  # comm's, group=None: local
+    seen["unpatched_again"] = not comm.is_patched()
+    return seen
+
+
+def test_third_party_code_fails_unpatched_and_works_patched_on_simulated_hccl():
+    for seen in run_ranks(_third_party_library, 2, backend="hccl", simulate=NPU):
+        assert torch.equal(seen["patched"], torch.full((2,), 3.0))
+        assert seen["comm_still_works"] and seen["unpatched_again"]
+        assert seen["clip"].item() == pytest.approx(48 ** 0.5)
+
+
+def _python(code, **env):
+    import os
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+def test_comm_patch_environment_variable():
+    check = "import comm, torch.distributed as d; print(hasattr(d.all_reduce, '__comm_replaces__'))"
+    assert _python(check, COMM_PATCH="1").stdout.strip() == "True"
+    assert _python(check, COMM_PATCH="0").stdout.strip() == "False"
+    bad = _python(check, COMM_PATCH="maybe")
+    assert bad.returncode != 0 and "COMM_PATCH='maybe' is not understood" in bad.stderr
