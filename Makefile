@@ -7,11 +7,11 @@ export PYTHONWARNINGS := ignore:Failed to initialize NumPy
 export OMP_NUM_THREADS ?= 1
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc-per-node 2
 
-.PHONY: test demo bench gpu-check clean
+.PHONY: test demo bench lint gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test]'
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test,lint]'
 	touch $@
 
 test: $(VENV)/.installed
@@ -27,6 +27,10 @@ demo: $(VENV)/.installed
 	@$(TORCHRUN) examples/bind_and_reduce.py --simulate npu
 	@echo "== FSDP2 with CPU-offloaded gradients: torch's clip, then comm's =="
 	@$(TORCHRUN) examples/fsdp2_offload_clip.py $(DEMO_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check comm tests examples benchmarks
+	$(VENV)/bin/mypy --strict comm
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/overhead.py

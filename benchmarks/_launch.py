@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import tempfile
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch.distributed as dist
 

@@ -8,10 +8,11 @@ offload report (second seed) found nobody owned.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import weakref
-from typing import Any, Dict, FrozenSet, NamedTuple, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,7 @@ def default_backend(device_type: Optional[str] = None) -> str:
     )
 
 
-def _backend_candidates(device_type: str) -> list:
+def _backend_candidates(device_type: str) -> List[str]:
     candidates = []
     torch_default = _torch_default_backend(device_type)
     if torch_default is not None:
@@ -90,7 +91,8 @@ def _torch_default_backend(device_type: str) -> Optional[str]:
             return str(dist.get_default_backend_for_device(device_type))
         except (ValueError, RuntimeError):
             return None
-    return dist.Backend.default_device_backend_map.get(device_type)
+    default = dist.Backend.default_device_backend_map.get(device_type)
+    return None if default is None else str(default)
 
 
 def _backend_available(backend: str) -> bool:
@@ -144,7 +146,7 @@ class _GroupInfo(NamedTuple):
 
 
 def _group_info(group: dist.ProcessGroup) -> _GroupInfo:
-    info = _GROUP_INFO.get(group)
+    info: Optional[_GroupInfo] = _GROUP_INFO.get(group)
     if info is None:
         info = _lookup_group_info(group)
         _GROUP_INFO.set(group, info)
@@ -268,11 +270,11 @@ class _GroupCache:
 
     def set(self, group: dist.ProcessGroup, value: Any) -> None:
         key = id(group)
-        ref = weakref.ref(group, lambda _, key=key: self._forget(key))
+        ref = weakref.ref(group, functools.partial(self._forget, key))
         with self._lock:
             self._entries[key] = (ref, value)
 
-    def _forget(self, key: int) -> None:
+    def _forget(self, key: int, _collected: Any = None) -> None:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry[0]() is None:

@@ -218,9 +218,12 @@ def _all_reduce_buckets(name: str, tensors: List[torch.Tensor], op: Any, pg: dis
         return staging.complete(works, lambda: [finish() for finish in finishes], tensors, async_op)
 
 
-def _buckets(tensors: List[torch.Tensor], pg: dist.ProcessGroup) -> Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]]:
+_BucketKey = Tuple[torch.device, torch.dtype]
+
+
+def _buckets(tensors: List[torch.Tensor], pg: dist.ProcessGroup) -> Dict[_BucketKey, List[torch.Tensor]]:
     """Group tensors by the device they are reduced on and their dtype, in first-seen order."""
-    buckets: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    buckets: Dict[_BucketKey, List[torch.Tensor]] = {}
     for tensor in tensors:
         buckets.setdefault((_comm_device(tensor, pg), tensor.dtype), []).append(tensor)
     return buckets

@@ -11,7 +11,7 @@ offloaded to the CPU reduce on an nccl or hccl group (the second seed).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -19,13 +19,10 @@ from torch.distributed import ReduceOp
 
 from comm.collectives import all_reduce, all_reduce_coalesced
 
-try:  # torch >= 2.5
+try:
     from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - older torch
-    try:
-        from torch.distributed._tensor import DTensor
-    except ImportError:
-        DTensor = None  # type: ignore[assignment,misc]
+except ImportError:  # torch < 2.5 has the same class under its private name
+    from torch.distributed._tensor import DTensor  # type: ignore[attr-defined]
 
 __all__ = ["clip_grad_norm_", "total_norm"]
 
@@ -91,12 +88,8 @@ def _grad_of(parameter: torch.Tensor) -> Optional[torch.Tensor]:
     return grad if grad is not None else parameter.grad
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    return DTensor is not None and isinstance(tensor, DTensor)
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if _is_dtensor(tensor) else tensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 _Bucket = Tuple[Tuple[dist.ProcessGroup, ...], List[Optional[torch.Tensor]]]
@@ -137,11 +130,12 @@ def _reduce_partials(tensors: List[torch.Tensor]) -> Dict[int, torch.Tensor]:
     measured = {id(t): _local(t) for t in tensors}
     pending: Dict[Tuple[Any, int, str], List[torch.Tensor]] = {}
     for tensor in tensors:
-        if not _is_dtensor(tensor):
+        if not isinstance(tensor, DTensor):
             continue
         for dim, placement in enumerate(tensor.placements):
             if placement.is_partial():
-                pending.setdefault((tensor.device_mesh, dim, placement.reduce_op), []).append(tensor)
+                op = str(getattr(placement, "reduce_op", "sum"))  # Partial's op; older torch: sum only
+                pending.setdefault((tensor.device_mesh, dim, op), []).append(tensor)
     copies: Dict[int, torch.Tensor] = {}
     for (mesh, dim, op), members in pending.items():
         if op not in _PARTIAL_OPS:
@@ -171,7 +165,7 @@ def _buckets(pairs: List[Tuple[torch.Tensor, Optional[torch.Tensor]]], measured:
 
 def _reduction_groups(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> Tuple[dist.ProcessGroup, ...]:
     """The groups over which ``tensor``'s shards add up: its mesh dims placed Shard."""
-    if _is_dtensor(tensor):
+    if isinstance(tensor, DTensor):
         mesh = tensor.device_mesh
         return tuple(mesh.get_group(dim) for dim, placement in enumerate(tensor.placements) if placement.is_shard())
     if group is None:
@@ -200,13 +194,13 @@ def _local_contribution(entries: List[Optional[torch.Tensor]], p: float, foreach
     the folded result moves to ``device``.
     """
     # Empty local shards (uneven sharding) contribute nothing, as absent gradients.
-    entries = [None if t is None or t.numel() == 0 else t for t in entries]
+    present: List[Optional[torch.Tensor]] = [None if t is None or t.numel() == 0 else t for t in entries]
     counts = [torch.zeros((), dtype=dtype, device=device)] * len(entries)
     parts = []
-    for (entry_device, _), indices in _by_device_and_dtype(entries).items():
-        norms = torch.stack(_norms([entries[i] for i in indices], p, foreach, entry_device)).to(dtype)
+    for (entry_device, _), members in _by_device_and_dtype(present).items():
+        norms = torch.stack(_norms([t for _, t in members], p, foreach, entry_device)).to(dtype)
         if p == 0:
-            for index, count in zip(indices, norms.to(device).unbind()):
+            for (index, _), count in zip(members, norms.to(device).unbind()):
                 counts[index] = count
         else:
             parts.append(_fold(norms, p).to(device))
@@ -255,12 +249,15 @@ def _combine(contributions: List[torch.Tensor], p: float, device: torch.device, 
     return total.pow(1.0 / p)
 
 
-def _by_device_and_dtype(tensors: List[Optional[torch.Tensor]]) -> Dict[Tuple[torch.device, torch.dtype], List[int]]:
-    """Indices of the present tensors, grouped by device and dtype in first-seen order."""
-    groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
+_Members = List[Tuple[int, torch.Tensor]]
+
+
+def _by_device_and_dtype(tensors: Sequence[Optional[torch.Tensor]]) -> Dict[Tuple[torch.device, torch.dtype], _Members]:
+    """(index, tensor) of the present tensors, grouped by device and dtype in first-seen order."""
+    groups: Dict[Tuple[torch.device, torch.dtype], _Members] = {}
     for index, tensor in enumerate(tensors):
         if tensor is not None:
-            groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+            groups.setdefault((tensor.device, tensor.dtype), []).append((index, tensor))
     return groups
 
 
@@ -269,8 +266,8 @@ def _scale_(grads: List[torch.Tensor], coefficient: torch.Tensor, foreach: Optio
     from torch.utils._foreach_utils import _device_has_foreach_support
 
     with torch.no_grad():
-        for (device, _), indices in _by_device_and_dtype(grads).items():
-            group = [grads[i] for i in indices]
+        for (device, _), members in _by_device_and_dtype(grads).items():
+            group = [grad for _, grad in members]
             factor = coefficient.to(device)
             if foreach is not False and _device_has_foreach_support(device):
                 torch._foreach_mul_(group, factor)

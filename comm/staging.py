@@ -38,7 +38,7 @@ def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = No
 def _staging_target(group: dist.ProcessGroup, served: FrozenSet[str]) -> torch.device:
     bound = getattr(group, "bound_device_id", None)
     if bound is not None and bound.type in served:
-        return bound
+        return torch.device(bound)
     accelerator = accelerator_type()
     if accelerator in served:
         return current_device(accelerator)
@@ -95,7 +95,7 @@ def add_note(error: BaseException, note: str) -> None:
     if hasattr(error, "add_note"):
         error.add_note(note)
     else:
-        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+        error.__notes__ = [*getattr(error, "__notes__", []), note]
 
 
 class DeferredWork:
@@ -106,7 +106,8 @@ class DeferredWork:
     there; ``get_future()`` completes after the write-back.
     """
 
-    def __init__(self, works: Sequence[Any], finish: Callable[[], None], outputs: List[torch.Tensor], note: str) -> None:
+    def __init__(self, works: Sequence[Any], finish: Callable[[], None], outputs: List[torch.Tensor],
+                 note: str) -> None:
         self._works = list(works)
         self._finish = finish
         self._outputs = outputs
@@ -137,7 +138,7 @@ class DeferredWork:
 
     def exception(self) -> Optional[BaseException]:
         for work in self._works:
-            error = work.exception()
+            error: Optional[BaseException] = work.exception()
             if error is not None:
                 return error
         return None
@@ -146,11 +147,11 @@ class DeferredWork:
         self.wait()
         return self._outputs
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[List[torch.Tensor]]:
         inner = torch.futures.collect_all([work.get_future() for work in self._works])
         return inner.then(self._finish_future)
 
-    def _finish_future(self, done: torch.futures.Future) -> List[torch.Tensor]:
+    def _finish_future(self, done: torch.futures.Future[List[torch.futures.Future[Any]]]) -> List[torch.Tensor]:
         for future in done.value():
             future.value()  # re-raises the collective's error
         self._finish_once()

@@ -1,12 +1,11 @@
 """comm.backend: default backend per accelerator, and the device types a group serves."""
 
 import pytest
-import torch
 import torch.distributed as dist
+from multiproc import file_store, init_group, run_ranks
 
 import comm
 from comm.backend import _backend_string_device_types
-from multiproc import file_store, init_group, run_ranks
 
 NPU = {"name": "npu", "backend": "hccl"}
 

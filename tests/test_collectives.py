@@ -6,12 +6,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from faults import INJECTED, PLAN, register_faulty_backend
+from multiproc import run_ranks
 from torch.distributed import ReduceOp
 
 import comm
 import comm.testing
-from faults import INJECTED, PLAN, register_faulty_backend
-from multiproc import run_ranks
 
 NPU = {"name": "npu", "backend": "hccl"}
 SEED_ERROR = "No backend type associated with device type cpu"
@@ -305,14 +305,17 @@ def _bad_inputs(rank, world_size):
         (lambda: comm.all_reduce([1.0]), TypeError, "tensor must be a torch.Tensor, got list"),
         (lambda: comm.all_reduce(torch.ones(2, device="meta")), ValueError, "tensor is on the meta device"),
         (lambda: comm.all_gather([tensor], tensor), ValueError, "tensor_list has 1 tensors; expected one per rank"),
-        (lambda: comm.all_gather([tensor, tensor.long()], tensor), ValueError, r"tensor_list\[1\] has dtype torch.int64"),
+        (lambda: comm.all_gather([tensor, tensor.long()], tensor), ValueError,
+         r"tensor_list\[1\] has dtype torch.int64"),
         (lambda: comm.all_gather(tensor, tensor), TypeError, "tensor_list must be a list of torch.Tensor"),
-        (lambda: comm.broadcast(tensor, src=5), ValueError, r"src=5 is not a rank of the group; expected one of \[0, 1\]"),
+        (lambda: comm.broadcast(tensor, src=5), ValueError,
+         r"src=5 is not a rank of the group; expected one of \[0, 1\]"),
         (lambda: comm.broadcast(tensor, group_src=2), ValueError, "group_src=2 is out of range"),
         (lambda: comm.broadcast(tensor, src=0, group_src=0), ValueError, "pass src or group_src, not both"),
         (lambda: comm.broadcast(tensor), ValueError, "src .* or group_src .* is required"),
         (lambda: comm.reduce(tensor, dst="0"), TypeError, "dst must be an int, got str"),
-        (lambda: comm.all_gather_into_tensor(torch.zeros(3), tensor), ValueError, "output_tensor has 3 elements; expected 8"),
+        (lambda: comm.all_gather_into_tensor(torch.zeros(3), tensor), ValueError,
+         "output_tensor has 3 elements; expected 8"),
         (lambda: comm.reduce_scatter_tensor(torch.zeros(2), tensor.long()), ValueError, "input has dtype torch.int64"),
         (lambda: comm.all_reduce(tensor, group="world"), TypeError, "group must be a torch.distributed.ProcessGroup"),
         (lambda: comm.all_reduce_coalesced(tensor), TypeError, "tensors must be a list of torch.Tensor"),

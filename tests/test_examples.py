@@ -37,7 +37,8 @@ def test_train_ddp_on_two_torchrun_nodes_over_loopback():
                               env=_env()) for _ in range(2)]
     outputs = [node.communicate(timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
-    losses = sorted(re.findall(r"rank (\d)/2: device=npu:0 backend=hccl final loss (\S+)", "".join(o[0] for o in outputs)))
+    printed = "".join(stdout for stdout, _ in outputs)
+    losses = sorted(re.findall(r"rank (\d)/2: device=npu:0 backend=hccl final loss (\S+)", printed))
     assert [rank for rank, _ in losses] == ["0", "1"]
     assert losses[0][1] == losses[1][1]
 

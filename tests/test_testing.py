@@ -3,18 +3,18 @@
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import run_ranks
 
 import comm
 import comm.testing
-from multiproc import run_ranks
 
 NPU = {"name": "npu", "backend": "hccl"}
 SEED_ERROR = "No backend type associated with device type cpu"
 
 
 def _tensors_and_collectives(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
     import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
 
     data = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     on_npu = data.to(f"npu:{rank}")

@@ -23,7 +23,7 @@ resolves it through a C++ device guard that a Python backend cannot replace), wh
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Optional, Tuple
+from typing import Any, FrozenSet, Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from comm.testing._device import counters, reset_counters
 __all__ = ["counters", "offloaded", "reset_counters", "simulate_accelerator", "simulated_accelerator"]
 
 _LOCK = threading.Lock()
-_ACTIVE: Optional[Tuple[str, str, int, frozenset]] = None
+_ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any]]] = None
 
 
 def simulate_accelerator(
@@ -110,4 +110,5 @@ def offloaded(tensor: torch.Tensor, mesh: "torch.distributed.device_mesh.DeviceM
         raise TypeError(f"tensor must be a DTensor, got {type(tensor).__name__}")
     meta = TensorMeta(tensor.shape, tensor.stride(), tensor.dtype)
     spec = DTensorSpec(mesh, tuple(tensor.placements), tensor_meta=meta)
-    return DTensor(tensor._local_tensor, spec, requires_grad=tensor.requires_grad)
+    # DTensor's constructor is untyped in torch's stubs.
+    return DTensor(tensor._local_tensor, spec, requires_grad=tensor.requires_grad)  # type: ignore[no-untyped-call]

@@ -65,7 +65,7 @@ class SimulatedTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, payload: torch.Tensor, index: int) -> "SimulatedTensor":
         state = _state()
-        tensor = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        tensor = torch.Tensor._make_wrapper_subclass(
             cls,
             payload.size(),
             strides=payload.stride(),
@@ -80,12 +80,13 @@ class SimulatedTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         text = repr(self._payload)
         return f"{text[:-1]}, device='{self.device}')"
 
+    # torch declares __torch_dispatch__ as a plain function; subclasses define a classmethod.
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         return _run_on_payloads(func, args, kwargs or {})
 
 
@@ -110,7 +111,8 @@ def reset_counters() -> None:
 def _copy_kernel(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """PrivateUse1 ``copy_``: torch's C++ code (``torch.tensor(data, device=...)``)
     copies with the Python dispatch key excluded, where the boxed fallback fails."""
-    return _run_on_payloads(torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
+    result: torch.Tensor = _run_on_payloads(torch.ops.aten.copy_.default, (dst, src, non_blocking), {})
+    return result
 
 
 def _run_on_payloads(func: Any, args: Any, kwargs: Dict[str, Any]) -> Any:
@@ -263,15 +265,19 @@ def install_device(name: str, device_count: int) -> None:
     """Rename PrivateUse1 to ``name`` and route its operators to the CPU payloads."""
     global _STATE
     if not hasattr(torch._C, "_acc"):
-        raise RuntimeError(f"simulating an accelerator needs torch's Python PrivateUse1 hooks (torch._C._acc); torch {torch.__version__} lacks them")
+        raise RuntimeError(
+            "simulating an accelerator needs torch's Python PrivateUse1 hooks (torch._C._acc); "
+            f"torch {torch.__version__} lacks them"
+        )
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     _STATE = _DeviceState(name, device_count)
     _setup_privateuseone_for_python_backend(name, backend_module=_build_device_module(name))
-    fallback = torch.library.Library("_", "IMPL")
-    fallback.fallback(_boxed_fallback, dispatch_key="PrivateUse1", with_keyset=False)
-    kernels = torch.library.Library("aten", "IMPL")
-    kernels.impl("copy_", _copy_kernel, "PrivateUse1")
+    # torch.library is untyped in torch's stubs, hence the ignores.
+    fallback = torch.library.Library("_", "IMPL")  # type: ignore[no-untyped-call]
+    fallback.fallback(_boxed_fallback, dispatch_key="PrivateUse1", with_keyset=False)  # type: ignore[no-untyped-call]
+    kernels = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
+    kernels.impl("copy_", _copy_kernel, "PrivateUse1")  # type: ignore[no-untyped-call]
     _LIBRARIES.extend([fallback, kernels])
 
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, FrozenSet, List
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 from torch.utils._pytree import tree_flatten, tree_map
 
 from comm.testing._device import SimulatedTensor, _state
@@ -46,7 +47,7 @@ class SimulatedProcessGroup(dist.ProcessGroup):
 
     def __init__(
         self,
-        store: dist.Store,
+        store: Store,
         rank: int,
         size: int,
         timeout: datetime.timedelta,
@@ -54,7 +55,7 @@ class SimulatedProcessGroup(dist.ProcessGroup):
         backend_name: str,
         unsupported_ops: FrozenSet[dist.ReduceOp.RedOpType],
     ) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # Python groups take (rank, size)
         self._inner = dist.ProcessGroupGloo(store, rank, size, timeout)
         self._device_type = device_type
         self._backend_name = backend_name
@@ -68,7 +69,7 @@ class SimulatedProcessGroup(dist.ProcessGroup):
         self._group_name = name
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> str:  # type: ignore[override]  # c10d's GroupName is a str
         return self._group_name
 
     # A real plugin registers itself as the group's backend for its device type;
@@ -79,7 +80,7 @@ class SimulatedProcessGroup(dist.ProcessGroup):
     def _device_types(self) -> List[torch.device]:
         return [torch.device(self._device_type)]
 
-    def _get_backend(self, device: torch.device) -> "SimulatedProcessGroup":
+    def _get_backend(self, device: torch.device) -> "SimulatedProcessGroup":  # type: ignore[override]
         if torch.device(device).type != self._device_type:
             raise RuntimeError(f"No backend type associated with device type {torch.device(device).type}")
         return self
@@ -118,7 +119,7 @@ def register_backend(
 ) -> None:
     """Register ``backend_name`` with c10d as the backend of ``device_type``."""
 
-    def create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> SimulatedProcessGroup:
+    def create(store: Store, rank: int, size: int, timeout: datetime.timedelta) -> SimulatedProcessGroup:
         return SimulatedProcessGroup(store, rank, size, timeout, device_type, backend_name, unsupported_ops)
 
     dist.Backend.register_backend(backend_name, create, devices=[device_type])
