@@ -18,11 +18,12 @@ from typing import Any, Callable, Dict
 
 import torch
 import torch.nn as nn
-from _launch import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import comm
+
+from _launch import run_ranks
 
 LAYERS = 100
 CALLS = 200

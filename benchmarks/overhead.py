@@ -25,10 +25,11 @@ from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
-from _launch import run_ranks
 
 import comm
 import comm.testing
+
+from _launch import run_ranks
 
 SIZES = (1, 1024, 1024 * 1024)
 CALLS = {1: 4000, 1024: 4000, 1024 * 1024: 400}  # timed calls per side

@@ -109,6 +109,8 @@ def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> torch.de
     unless ``backend`` is given (an explicit backend always wins), and binds the
     group to the device (``device_id``) where torch and the backend support it.
     """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a backend name such as 'nccl' or 'cpu:gloo,cuda:nccl', got {backend!r}")
     device = bind()
     if backend is None:
         backend = default_backend(device.type)

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "comm"])
@@ -34,6 +34,7 @@ def run_ranks(
     env: Optional[Dict[str, str]] = None,
     timeout: float = 120.0,
     pg_timeout: float = 60.0,
+    expect_dead: Sequence[int] = (),
 ) -> List[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return each rank's result.
 
@@ -44,7 +45,7 @@ def run_ranks(
     the simulated accelerator in every rank, which is then bound to its rank's
     device. ``backend=None`` leaves group creation to ``fn`` (the store path is in
     ``$COMM_TEST_STORE``). Any rank's exception fails the call with every rank's
-    traceback.
+    traceback. Ranks in ``expect_dead`` (killed on purpose) report None.
     """
     workdir = tempfile.mkdtemp(prefix="comm-test-")
     results: "multiprocessing.Queue[Any]" = _CONTEXT.Queue()
@@ -59,7 +60,7 @@ def run_ranks(
     try:
         for process in processes:
             process.start()
-        return _collect(processes, results, world_size, timeout)
+        return _collect(processes, results, world_size, timeout, set(expect_dead))
     finally:
         for process in processes:
             if process.is_alive():
@@ -68,14 +69,14 @@ def run_ranks(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _collect(processes: List[Any], results: Any, world_size: int, timeout: float) -> List[Any]:
-    outcomes: Dict[int, Any] = {}
+def _collect(processes: List[Any], results: Any, world_size: int, timeout: float, dead: Set[int]) -> List[Any]:
+    outcomes: Dict[int, Any] = {rank: (True, pickle.dumps(None)) for rank in dead}
     deadline = time.monotonic() + timeout
     while len(outcomes) < world_size and time.monotonic() < deadline:
         try:
             rank, ok, value = results.get(timeout=0.2)
         except queue.Empty:
-            if any(p.exitcode is not None for r, p in enumerate(processes) if r not in outcomes):
+            if any(processes[r].exitcode is not None for r in range(world_size) if r not in outcomes):
                 deadline = min(deadline, time.monotonic() + 5.0)  # a rank died without a word
             continue
         outcomes[rank] = (ok, value)

@@ -2,10 +2,11 @@
 
 import pytest
 import torch.distributed as dist
-from multiproc import file_store, init_group, run_ranks
 
 import comm
 from comm.backend import _backend_string_device_types
+
+from multiproc import file_store, init_group, run_ranks
 
 NPU = {"name": "npu", "backend": "hccl"}
 

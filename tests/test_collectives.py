@@ -6,12 +6,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from faults import INJECTED, PLAN, register_faulty_backend
-from multiproc import run_ranks
 from torch.distributed import ReduceOp
 
 import comm
 import comm.testing
+
+from faults import INJECTED, PLAN, register_faulty_backend
+from multiproc import run_ranks
 
 NPU = {"name": "npu", "backend": "hccl"}
 SEED_ERROR = "No backend type associated with device type cpu"

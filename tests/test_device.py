@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from multiproc import run_ranks
 
 import comm
 from comm import device as comm_device
+
+from multiproc import run_ranks
 
 NPU = {"name": "npu", "backend": "hccl"}
 

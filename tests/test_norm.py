@@ -6,12 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from multiproc import run_ranks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import comm
 import comm.testing
+
+from multiproc import run_ranks
 
 NPU = {"name": "npu", "backend": "hccl"}
 SEED_ERROR = "No backend type associated with device type cpu"

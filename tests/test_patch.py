@@ -6,15 +6,16 @@ import sys
 import threading
 
 import pytest
-import thirdparty
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.nn.utils
 import torch.nn.utils.clip_grad
-from multiproc import run_ranks
 
 import comm
+
+import thirdparty
+from multiproc import run_ranks
 
 NPU = {"name": "npu", "backend": "hccl"}
 SEED_ERROR = "No backend type associated with device type cpu"

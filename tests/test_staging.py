@@ -3,9 +3,10 @@
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import file_store, run_ranks
 
 import comm
+
+from multiproc import file_store, run_ranks
 
 NPU = {"name": "npu", "backend": "hccl"}
 

@@ -3,10 +3,11 @@
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
 
 import comm
 import comm.testing
+
+from multiproc import run_ranks
 
 NPU = {"name": "npu", "backend": "hccl"}
 SEED_ERROR = "No backend type associated with device type cpu"

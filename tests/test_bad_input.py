@@ -1,0 +1,99 @@
+"""Bad input across the public API: a documented exception naming the argument, nothing touched.
+
+TypeError for a wrong type, ValueError for a wrong value (environment variables
+included), RuntimeError for a state the call cannot work in (README, "Errors").
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import comm
+import comm.testing
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _param():
+    param = torch.zeros(3, requires_grad=True)
+    param.grad = torch.ones(3)
+    return param
+
+
+def _env(monkeypatch, name, value, call):
+    monkeypatch.setenv(name, value)
+    return call()
+
+
+CASES = [
+    ("all_reduce non-tensor", lambda t, m: comm.all_reduce([1.0]), TypeError,
+     "tensor must be a torch.Tensor, got list"),
+    ("all_reduce meta", lambda t, m: comm.all_reduce(torch.ones(2, device="meta")), ValueError,
+     "tensor is on the meta device.*expected a tensor with storage"),
+    ("all_reduce group", lambda t, m: comm.all_reduce(t, group="world"), TypeError,
+     "group must be a torch.distributed.ProcessGroup or None, got str"),
+    ("all_gather list length", lambda t, m: comm.all_gather([t, t.clone()], t), ValueError,
+     r"tensor_list has 2 tensors; expected one per rank of the group \(1\)"),
+    ("all_gather dtype", lambda t, m: comm.all_gather([t.long()], t), ValueError,
+     r"tensor_list\[0\] has dtype torch.int64; expected torch.float32"),
+    ("all_gather not a list", lambda t, m: comm.all_gather(t, t), TypeError,
+     "tensor_list must be a list of torch.Tensor"),
+    ("broadcast src not in group", lambda t, m: comm.broadcast(t, src=3), ValueError,
+     r"src=3 is not a rank of the group; expected one of \[0\]"),
+    ("broadcast group_src range", lambda t, m: comm.broadcast(t, group_src=-1), ValueError,
+     "group_src=-1 is out of range; expected 0 <= group_src < 1"),
+    ("broadcast both roots", lambda t, m: comm.broadcast(t, src=0, group_src=0), ValueError,
+     "pass src or group_src, not both"),
+    ("reduce dst type", lambda t, m: comm.reduce(t, dst=0.5), TypeError, "dst must be an int, got float"),
+    ("all_gather_into_tensor size", lambda t, m: comm.all_gather_into_tensor(torch.zeros(3), t), ValueError,
+     r"output_tensor has 3 elements; expected 4"),
+    ("reduce_scatter_tensor dtype", lambda t, m: comm.reduce_scatter_tensor(torch.zeros(4), t.long()), ValueError,
+     "input has dtype torch.int64; expected torch.float32"),
+    ("all_reduce_coalesced not a list", lambda t, m: comm.all_reduce_coalesced(t), TypeError,
+     "tensors must be a list of torch.Tensor"),
+    ("staging_device non-tensor", lambda t, m: comm.staging_device([1.0]), TypeError, "tensor must be a torch.Tensor"),
+    ("bind negative", lambda t, m: comm.bind(-1), ValueError, "local_rank must be a non-negative int, got -1"),
+    ("bind string", lambda t, m: comm.bind("0"), ValueError, "local_rank must be a non-negative int, got '0'"),
+    ("LOCAL_RANK=abc", lambda t, m: _env(m, "LOCAL_RANK", "abc", comm.bind), ValueError,
+     "LOCAL_RANK='abc' is not an integer; expected a non-negative integer"),
+    ("COMM_DEVICE=tpu", lambda t, m: _env(m, "COMM_DEVICE", "tpu", comm.accelerator_type), ValueError,
+     "COMM_DEVICE='tpu' names a device type that is not available.*expected 'cpu' or an available accelerator"),
+    ("COMM_PATCH=maybe", lambda t, m: _env(m, "COMM_PATCH", "maybe", comm._patch_if_asked), ValueError,
+     "COMM_PATCH='maybe' is not understood; expected 1 or 0"),
+    ("default_backend type", lambda t, m: comm.default_backend(3), ValueError,
+     "device_type must be a device type string such as 'cuda', got 3"),
+    ("default_backend unknown", lambda t, m: comm.default_backend("tpu"), RuntimeError,
+     "no collective backend available for device type 'tpu'.*pass backend= explicitly"),
+    ("init_process_group backend", lambda t, m: comm.init_process_group(backend=3), TypeError,
+     "backend must be a backend name such as 'nccl'"),
+    ("empty_cache device", lambda t, m: comm.empty_cache("npu:x"), ValueError,
+     "device must be a torch.device, a device string or an index"),
+    ("clip max_norm", lambda t, m: comm.clip_grad_norm_([_param()], -1.0), ValueError,
+     "max_norm must be a non-negative number, got -1.0"),
+    ("clip norm_type", lambda t, m: comm.clip_grad_norm_([_param()], 1.0, norm_type="two"), TypeError,
+     r"norm_type must be a number \(p > 0, 0, inf or -inf\), got 'two'"),
+    ("clip parameters", lambda t, m: comm.clip_grad_norm_([1.0], 1.0), TypeError,
+     "parameters must be tensors, got float"),
+    ("total_norm negative p", lambda t, m: comm.total_norm([t], norm_type=-2), ValueError,
+     "norm_type must be p > 0, 0, inf or -inf, got -2"),
+    ("patch flag", lambda t, m: comm.patch(clip_grad_norm="yes"), TypeError, "clip_grad_norm must be a bool, got str"),
+    ("simulate built-in name", lambda t, m: comm.testing.simulate_accelerator(name="cuda"), ValueError,
+     "name must not be a built-in device type, got 'cuda'"),
+    ("simulate device_count", lambda t, m: comm.testing.simulate_accelerator(device_count=0), ValueError,
+     "device_count must be a positive int, got 0"),
+]
+
+
+@pytest.mark.parametrize("call, kind, message", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_input_raises_before_touching_anything(one_rank_group, monkeypatch, call, kind, message):
+    tensor = torch.arange(4.0)
+    with pytest.raises(kind, match=message):
+        call(tensor, monkeypatch)
+    assert torch.equal(tensor, torch.arange(4.0))
+    assert not comm.is_patched() and torch._C._get_privateuse1_backend_name() == "privateuseone"

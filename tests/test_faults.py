@@ -1,0 +1,150 @@
+"""Faults, concurrency and memory: a shim under every training step must not hang or leak."""
+
+import gc
+import os
+import signal
+import threading
+import time
+import tracemalloc
+
+import torch
+import torch.distributed as dist
+
+import comm
+import comm.backend
+
+from multiproc import run_ranks
+
+NPU = {"name": "npu", "backend": "hccl"}
+PG_TIMEOUT = 5.0
+
+
+def _killed_mid_loop(rank, world_size, on_npu_group):
+    value = torch.ones(4)  # on the hccl group a CPU tensor takes the staging path
+    for step in range(200):
+        if rank == 1 and step == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        start = time.monotonic()
+        try:
+            comm.all_reduce(value)
+        except Exception as error:  # noqa: BLE001 - reported to the parent for checking
+            return {"step": step, "type": type(error).__name__, "module": type(error).__module__,
+                    "message": str(error), "notes": getattr(error, "__notes__", []),
+                    "seconds": time.monotonic() - start}
+    return None
+
+
+def _check_survivor(report, staged):
+    assert report is not None, "the survivor never saw the failure"
+    assert report["step"] == 20
+    assert report["type"] in ("RuntimeError", "DistBackendError", "DistNetworkError")  # torch's error, not comm's
+    assert not report["message"].startswith("comm")
+    assert report["seconds"] < PG_TIMEOUT + 10
+    if staged:
+        assert any("comm staged all_reduce" in note for note in report["notes"])
+
+
+def test_a_killed_rank_fails_the_survivor_on_gloo():
+    survivor, _ = run_ranks(_killed_mid_loop, 2, args=(False,), pg_timeout=PG_TIMEOUT, expect_dead=[1], timeout=60)
+    _check_survivor(survivor, staged=False)
+
+
+def test_a_killed_rank_fails_the_survivor_through_the_staging_path():
+    survivor, _ = run_ranks(_killed_mid_loop, 2, backend="hccl", simulate=NPU, args=(True,),
+                            pg_timeout=PG_TIMEOUT, expect_dead=[1], timeout=60)
+    _check_survivor(survivor, staged=True)
+
+
+THREADS, CALLS = 4, 500
+
+
+def _threads_on_their_own_groups(rank, world_size):
+    groups = [dist.new_group([0, 1], backend="hccl") for _ in range(THREADS)]
+    comm.reset_stats()
+    wrong = []
+
+    def worker(index):
+        pending = []
+        for call in range(CALLS):
+            value = float(index * 10_000 + call)
+            device = "cpu" if call % 2 == 0 else f"npu:{rank}"  # staged and native, alternately
+            tensor = torch.full((2,), value + rank, device=device)
+            pending.append((tensor, 2 * value + 1, comm.all_reduce(tensor, group=groups[index], async_op=True)))
+        for tensor, expected, work in pending:
+            work.wait()
+            if not torch.equal(tensor.cpu(), torch.full((2,), expected)):
+                wrong.append((index, expected, tensor.cpu().tolist()))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    stats = comm.stats()["all_reduce"]
+    cached = [comm.device_types(g) for g in groups]
+    return wrong, stats, cached
+
+
+def test_four_threads_each_issuing_500_async_calls():
+    for wrong, stats, cached in run_ranks(_threads_on_their_own_groups, 2, backend="hccl", simulate=NPU,
+                                          timeout=300):
+        assert wrong == []
+        assert stats["calls"] == THREADS * CALLS  # every call counted once, from every thread
+        assert stats["staged_calls"] == THREADS * CALLS // 2
+        assert stats["bytes_staged"] == THREADS * CALLS // 2 * 2 * (2 * 4)  # 8 bytes in, 8 back
+        assert cached == [frozenset({"npu"})] * THREADS
+
+
+def _tensor_count():
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+
+
+def _growth(call, calls=10_000):
+    """Bytes of Python memory still held after ``calls`` more calls, once warmed up.
+
+    torch keeps a bounded rolling window of small objects that takes a few thousand
+    calls to fill, and objects made before tracing count as new once reallocated:
+    warm up untraced, then traced, before the measured calls.
+    """
+    for _ in range(3_000):
+        call()
+    tracemalloc.start()
+    for _ in range(3_000):
+        call()
+    gc.collect()
+    before, tensors, objects = tracemalloc.get_traced_memory()[0], _tensor_count(), len(gc.get_objects())
+    for _ in range(calls):
+        call()
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {"bytes": after - before, "tensors": _tensor_count() - tensors, "objects": len(gc.get_objects()) - objects}
+
+
+def _memory_over_many_calls(rank, world_size):
+    value = torch.ones(16)
+    gloo = dist.new_group([0], backend="gloo")
+    seen = {
+        "native": _growth(lambda: comm.all_reduce(value, group=gloo)),
+        "staged": _growth(lambda: comm.all_reduce(value)),
+    }
+    group = dist.new_group([0], backend="hccl")
+    comm.all_reduce(torch.ones(1), group=group)
+    seen["cached_with_group"] = len(comm.backend._GROUP_INFO)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    seen["cached_after"] = len(comm.backend._GROUP_INFO)
+    return seen
+
+
+def test_ten_thousand_calls_do_not_grow_memory():
+    [seen] = run_ranks(_memory_over_many_calls, 1, backend="hccl", simulate=NPU, timeout=600)
+    for path in ("native", "staged"):
+        # Tensors and gc-tracked objects: exact. Bytes: tracemalloc sees tens of KB of
+        # churn from torch and the simulated device (measured: the same copies and
+        # reduce without comm hold ~2.6 B per call); holding even one object per call
+        # would be >= 280 KB here, so the bound is below one pointer per call.
+        assert seen[path]["tensors"] == 0 and seen[path]["objects"] <= 10, seen
+        assert seen[path]["bytes"] < 10_000 * 8, seen
+    assert seen["cached_after"] == seen["cached_with_group"] - 1  # the destroyed group is forgotten
