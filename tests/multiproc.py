@@ -52,7 +52,8 @@ def run_ranks(
     processes = [
         _CONTEXT.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, backend, simulate, args, env or {}, workdir, pg_timeout, results),
+            args=(fn, rank, world_size, backend, simulate, args, env or {}, workdir, pg_timeout, results,
+                  world_size - len(expect_dead)),
             daemon=True,
         )
         for rank in range(world_size)
@@ -104,6 +105,7 @@ def _rank_main(
     workdir: str,
     pg_timeout: float,
     results: Any,
+    survivors: int,
 ) -> None:
     try:
         os.environ.update(env)
@@ -120,6 +122,7 @@ def _rank_main(
         if backend is not None:
             init_group(backend, rank, world_size, pg_timeout)
         value = fn(rank, world_size, *args)
+        _wait_for_each_other(workdir, survivors)
         # Plain pickle copies tensor data; the queue's own pickler would share it
         # through a file descriptor that dies with this process.
         results.put((rank, True, pickle.dumps(value)))
@@ -130,6 +133,16 @@ def _rank_main(
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _wait_for_each_other(workdir: str, survivors: int) -> None:
+    """Let no rank tear its group down while another may still be connecting to it."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.path.join(workdir, "exit"), survivors)
+    if store.add("finished", 1) == survivors:
+        store.set("all finished", "1")
+    store.wait(["all finished"], datetime.timedelta(seconds=60))
 
 
 def init_group(backend: Optional[str], rank: int, world_size: int, pg_timeout: float = 60.0, **kwargs: Any) -> None:
