@@ -287,3 +287,22 @@ class _GroupCache:
 
 
 _GROUP_INFO = _GroupCache()
+
+
+def _served_as_is(tensor: Any, group: Optional[dist.ProcessGroup]) -> bool:
+    """The fast path's whole test, in one frame: a plain tensor the group serves as it is.
+
+    It answers only for the group of the previous call (the cache's last entry);
+    False sends the call down the general path, which validates, resolves the
+    group and fills the cache. On a 2-core machine each extra Python frame before
+    a small collective shows up as latency (benchmarks/overhead.py).
+    """
+    pg = dist.GroupMember.WORLD if group is None else group
+    ref, info = _GROUP_INFO._last
+    if pg is None or ref() is not pg or type(tensor) is not torch.Tensor:
+        return False
+    if tensor.is_cpu:
+        return "cpu" in info.device_types
+    if tensor.is_cuda:
+        return "cuda" in info.device_types
+    return tensor.device.type in info.device_types

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from comm.backend import _group_info, _native_avg, _resolve_group
+from comm.backend import _group_info, _native_avg, _resolve_group, _served_as_is
 from comm.staging import DeferredWork, _staging_target, add_note, restore, stage
 from comm.stats import count_call, count_staging, log_first_staging
 
@@ -54,6 +54,9 @@ _SUM = ReduceOp.SUM
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None,
                async_op: bool = False) -> Optional[Work]:
     """Reduce ``tensor`` across the group in place, as :func:`torch.distributed.all_reduce`."""
+    if (op is _SUM or op != ReduceOp.AVG) and _served_as_is(tensor, group):
+        count_call("all_reduce")
+        return _TORCH.all_reduce(tensor, op, group, async_op)
     pg = _member_group(group)
     if pg is None:
         return _TORCH.all_reduce(tensor, op, group, async_op)

@@ -40,8 +40,11 @@ def _entry(op: str) -> List[float]:
 
 
 def count_call(op: str) -> None:
-    """Count one call of ``op`` (fast path and staged alike)."""
-    _entry(op)[0] += 1
+    """Count one call of ``op`` (fast path and staged alike), in one frame."""
+    entry = _LOCAL.counts.get(op)
+    if entry is None:
+        entry = _entry(op)
+    entry[0] += 1
 
 
 def count_staging(op: str, nbytes: int, seconds: float, *, new_call: bool) -> None:
