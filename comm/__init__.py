@@ -3,7 +3,7 @@
 Device binding (:mod:`comm.device`), backend resolution (:mod:`comm.backend`),
 staging of tensors onto a device the group's backend serves (:mod:`comm.staging`),
 the collectives (:mod:`comm.collectives`), gradient norms (:mod:`comm.norm`),
-counters (:mod:`comm.stats`) and the drop-in mode (:mod:`comm.patch`).
+counters (:mod:`comm.observability`) and the drop-in mode (:mod:`comm.patch`).
 """
 
 import os
@@ -20,9 +20,9 @@ from comm.collectives import (
 )
 from comm.device import accelerator_type, bind, current_device, empty_cache
 from comm.norm import clip_grad_norm_, total_norm
+from comm.observability import reset_stats, stats
 from comm.patch import is_patched, patch, patched, unpatch
 from comm.staging import staging_device
-from comm.stats import reset_stats, stats
 
 __all__ = [
     "accelerator_type",

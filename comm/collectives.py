@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from comm.backend import _group_info, _native_avg, _resolve_group, _served_as_is
+from comm.observability import count_call, count_staging, log_first_staging
 from comm.staging import DeferredWork, _staging_target, add_note, restore, stage
-from comm.stats import count_call, count_staging, log_first_staging
 
 __all__ = [
     "all_gather",
