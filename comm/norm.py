@@ -89,7 +89,9 @@ def _grad_of(parameter: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    # The attribute, not to_local(): no autograd node per call (benchmarks/clip_grad.py:
+    # 4.8 ms with to_local() against 2.2 ms for 200 parameters).
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 _Bucket = Tuple[Tuple[dist.ProcessGroup, ...], List[Optional[torch.Tensor]]]
