@@ -121,10 +121,11 @@ def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op: Any = ReduceOp.S
     root_global = dist.get_global_rank(pg, root)
     count_call("reduce")
     emulate_avg = _emulates_avg(op, pg, tensor, "reduce")
-    if not emulate_avg and _served(tensor, pg):
+    served = _served(tensor, pg)
+    if not emulate_avg and served:
         return _TORCH.reduce(tensor, root_global, op, pg, async_op)
     is_root = pg.rank() == root
-    reason = "device" if not _served(tensor, pg) else "avg"
+    reason = "avg" if served else "device"
     target = _comm_device(tensor, pg)
     with _Staging("reduce", pg, reason) as staging:
         buffer = staging.stage_in([tensor], target)
@@ -192,9 +193,10 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
     _check_sizes(input, "input", output.numel() * pg.size(), output.dtype)
     count_call("reduce_scatter_tensor")
     emulate_avg = _emulates_avg(op, pg, input, "reduce_scatter")
-    if not emulate_avg and _served(input, pg) and _served(output, pg):
+    served = _served(input, pg) and _served(output, pg)
+    if not emulate_avg and served:
         return _TORCH.reduce_scatter_tensor(output, input, op, pg, async_op)
-    reason = "avg" if _served(input, pg) and _served(output, pg) else "device"
+    reason = "avg" if served else "device"
     target = _comm_device(input, pg)
     with _Staging("reduce_scatter_tensor", pg, reason) as staging:
         source = staging.stage_in([input], target)
@@ -226,9 +228,16 @@ _BucketKey = Tuple[torch.device, torch.dtype]
 
 def _buckets(tensors: List[torch.Tensor], pg: dist.ProcessGroup) -> Dict[_BucketKey, List[torch.Tensor]]:
     """Group tensors by the device they are reduced on and their dtype, in first-seen order."""
+    served = _group_info(pg).device_types
+    target: Optional[torch.device] = None  # the staging target, looked up once per call
     buckets: Dict[_BucketKey, List[torch.Tensor]] = {}
     for tensor in tensors:
-        buckets.setdefault((_comm_device(tensor, pg), tensor.dtype), []).append(tensor)
+        if _device_type(tensor) in served:
+            device = tensor.device
+        else:
+            target = target or _staging_target(pg, served)
+            device = target
+        buckets.setdefault((device, tensor.dtype), []).append(tensor)
     return buckets
 
 
