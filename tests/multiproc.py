@@ -22,6 +22,10 @@ _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "comm"])
 
 STORE_ENV = "COMM_TEST_STORE"
+# The simulated accelerator most scenarios run on, and the error its backend (like
+# the real hccl or nccl) raises for a CPU tensor: the second seed's.
+NPU = {"name": "npu", "backend": "hccl"}
+SEED_ERROR = "No backend type associated with device type cpu"
 
 
 def run_ranks(

@@ -6,9 +6,7 @@ import torch.distributed as dist
 import comm
 from comm.backend import _backend_string_device_types
 
-from multiproc import file_store, init_group, run_ranks
-
-NPU = {"name": "npu", "backend": "hccl"}
+from multiproc import NPU, file_store, init_group, run_ranks
 
 
 def test_default_backend_cpu_and_mps():

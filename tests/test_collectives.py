@@ -12,10 +12,8 @@ import comm
 import comm.testing
 
 from faults import INJECTED, PLAN, register_faulty_backend
-from multiproc import run_ranks
+from multiproc import NPU, SEED_ERROR, run_ranks
 
-NPU = {"name": "npu", "backend": "hccl"}
-SEED_ERROR = "No backend type associated with device type cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool]
 
 

@@ -6,9 +6,7 @@ import torch
 import comm
 from comm import device as comm_device
 
-from multiproc import run_ranks
-
-NPU = {"name": "npu", "backend": "hccl"}
+from multiproc import NPU, run_ranks
 
 
 def test_probe_order_without_torch_accelerator(monkeypatch):

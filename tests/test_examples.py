@@ -7,8 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from multiproc import SEED_ERROR
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-SEED_ERROR = "No backend type associated with device type cpu"
 
 
 def _env():

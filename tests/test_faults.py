@@ -13,9 +13,8 @@ import torch.distributed as dist
 import comm
 import comm.backend
 
-from multiproc import run_ranks
+from multiproc import NPU, run_ranks
 
-NPU = {"name": "npu", "backend": "hccl"}
 PG_TIMEOUT = 5.0
 
 

@@ -12,10 +12,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 import comm
 import comm.testing
 
-from multiproc import run_ranks
+from multiproc import NPU, SEED_ERROR, run_ranks
 
-NPU = {"name": "npu", "backend": "hccl"}
-SEED_ERROR = "No backend type associated with device type cpu"
 NORM_TYPES = [1.0, 2.0, 3.5, math.inf, 0.0]
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5}
 

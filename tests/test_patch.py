@@ -15,10 +15,8 @@ import torch.nn.utils.clip_grad
 import comm
 
 import thirdparty
-from multiproc import run_ranks
+from multiproc import NPU, SEED_ERROR, run_ranks
 
-NPU = {"name": "npu", "backend": "hccl"}
-SEED_ERROR = "No backend type associated with device type cpu"
 PLACES = [(m, n) for m in (dist, c10d) for n in
           ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce")]
 CLIP_PLACES = [(torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_norm_")]

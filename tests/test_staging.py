@@ -6,9 +6,7 @@ import torch.distributed as dist
 
 import comm
 
-from multiproc import file_store, run_ranks
-
-NPU = {"name": "npu", "backend": "hccl"}
+from multiproc import NPU, file_store, run_ranks
 
 
 def _staging_on_simulated_npu(rank, world_size):

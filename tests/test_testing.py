@@ -7,10 +7,7 @@ import torch.distributed as dist
 import comm
 import comm.testing
 
-from multiproc import run_ranks
-
-NPU = {"name": "npu", "backend": "hccl"}
-SEED_ERROR = "No backend type associated with device type cpu"
+from multiproc import NPU, SEED_ERROR, run_ranks
 
 
 def _tensors_and_collectives(rank, world_size):
