@@ -242,11 +242,6 @@ def _backend_capability(backend: str) -> FrozenSet[str]:
     return _FALLBACK_CAPABILITY.get(backend, frozenset())
 
 
-def _dead_ref() -> None:
-    """Stands in for a weak reference to a collected group: it returns None."""
-    return None
-
-
 class _GroupCache:
     """A per-group cache that forgets a group once it is garbage collected.
 
@@ -258,15 +253,10 @@ class _GroupCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: Dict[int, Tuple["weakref.ref[dist.ProcessGroup]", Any]] = {}
-        self._last: Tuple[Any, Any] = (_dead_ref, None)
 
     def get(self, group: dist.ProcessGroup) -> Any:
-        last = self._last  # most calls use the group of the call before
-        if last[0]() is group:
-            return last[1]
         entry = self._entries.get(id(group))
         if entry is not None and entry[0]() is group:
-            self._last = entry
             return entry[1]
         return None
 
@@ -287,22 +277,3 @@ class _GroupCache:
 
 
 _GROUP_INFO = _GroupCache()
-
-
-def _served_as_is(tensor: Any, group: Optional[dist.ProcessGroup]) -> bool:
-    """The fast path's whole test, in one frame: a plain tensor the group serves as it is.
-
-    It answers only for the group of the previous call (the cache's last entry);
-    False sends the call down the general path, which validates, resolves the
-    group and fills the cache. On a 2-core machine each extra Python frame before
-    a small collective shows up as latency (benchmarks/overhead.py).
-    """
-    pg = dist.GroupMember.WORLD if group is None else group
-    ref, info = _GROUP_INFO._last
-    if pg is None or ref() is not pg or type(tensor) is not torch.Tensor:
-        return False
-    if tensor.is_cpu:
-        return "cpu" in info.device_types
-    if tensor.is_cuda:
-        return "cuda" in info.device_types
-    return tensor.device.type in info.device_types

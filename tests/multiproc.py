@@ -163,8 +163,12 @@ def init_group(backend: Optional[str], rank: int, world_size: int, pg_timeout: f
     )
 
 
-def file_store(world_size: int) -> Any:
-    """This scenario's FileStore, for functions that create their group themselves."""
+def file_store(world_size: int, name: str = "") -> Any:
+    """This scenario's FileStore, for functions that create their group themselves.
+
+    A ``name`` gives a separate store, for a scenario that initialises a second
+    default group after destroying the first.
+    """
     import torch.distributed as dist
 
-    return dist.FileStore(os.environ[STORE_ENV], world_size)
+    return dist.FileStore(os.environ[STORE_ENV] + name, world_size)

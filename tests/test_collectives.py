@@ -12,7 +12,7 @@ import comm
 import comm.testing
 
 from faults import INJECTED, PLAN, register_faulty_backend
-from multiproc import NPU, SEED_ERROR, run_ranks
+from multiproc import NPU, SEED_ERROR, file_store, run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool]
 
@@ -295,6 +295,48 @@ def test_stats_and_first_staging_log():
             "because the group serves only ['npu']"
         ) == 1
         assert len(messages) == 3  # all_reduce, broadcast, all_reduce_coalesced: once each
+
+
+def _sums(rank, world_size, calls, **kwargs):
+    """``calls`` all_reduces of a CPU tensor holding rank + 1: whether each gave the sum."""
+    expected = torch.full((3,), float(world_size * (world_size + 1) // 2))
+    results = []
+    for _ in range(calls):
+        tensor = torch.full((3,), float(rank + 1))
+        comm.all_reduce(tensor, **kwargs)
+        results.append(torch.equal(tensor, expected))
+    return all(results)
+
+
+def _fast_path_follows_the_group(rank, world_size):
+    """all_reduce remembers the previous call's group: the memory must not outlive the group."""
+    seen = {}
+    dist.init_process_group("gloo", store=file_store(world_size, "gloo"), rank=rank, world_size=world_size)
+    comm.reset_stats()
+    seen["gloo default"] = _sums(rank, world_size, 3)
+    destroyed = dist.group.WORLD  # kept alive: a destroyed group the memory still names
+    dist.destroy_process_group()
+    dist.init_process_group("hccl", store=file_store(world_size, "hccl"), rank=rank, world_size=world_size)
+    seen["hccl default after gloo"] = _sums(rank, world_size, 2)  # staged, though the memory says gloo
+    gloo = dist.new_group(backend="gloo")
+    seen["alternating"] = all([_sums(rank, world_size, 1) and _sums(rank, world_size, 1, group=gloo)
+                               for _ in range(3)])  # ending on gloo: the reset below meets a warm memory
+    seen["stats"] = comm.stats()["all_reduce"]
+    comm.reset_stats()
+    seen["gloo subgroup after reset"] = _sums(rank, world_size, 2, group=gloo)
+    seen["stats after reset"] = comm.stats()
+    seen["destroyed is not the default"] = destroyed is not dist.group.WORLD
+    return seen
+
+
+def test_fast_path_follows_group_changes_and_counts_exactly():
+    for seen in run_ranks(_fast_path_follows_the_group, 2, backend=None, simulate=NPU):
+        assert seen["gloo default"] and seen["hccl default after gloo"] and seen["alternating"]
+        assert seen["gloo subgroup after reset"] and seen["destroyed is not the default"]
+        assert (seen["stats"]["calls"], seen["stats"]["staged_calls"]) == (3 + 2 + 6, 2 + 3)
+        assert seen["stats after reset"] == {
+            "all_reduce": {"calls": 2, "staged_calls": 0, "bytes_staged": 0, "staging_seconds": 0.0}
+        }
 
 
 def _bad_inputs(rank, world_size):
