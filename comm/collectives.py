@@ -10,7 +10,6 @@ fails on the staging path leaves the caller's tensors as they were.
 
 from __future__ import annotations
 
-import threading
 import time
 import types
 import weakref
@@ -22,7 +21,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import _world
 
 from comm.backend import _group_info, _native_avg, _resolve_group
-from comm.observability import count_call, count_staging, log_first_staging, thread_counter
+from comm.observability import call_counter, count_call, count_staging, log_first_staging
 from comm.staging import DeferredWork, _staging_target, add_note, restore, stage
 
 __all__ = [
@@ -61,27 +60,20 @@ def _no_group() -> object:
     return _no_group
 
 
-class _LastAllReduce(threading.local):
-    """What this thread's previous all_reduce learnt about its group.
-
-    A weak reference to the group, whether the group serves CPU tensors, CUDA
-    tensors, which device types it serves, and this thread's all_reduce counter.
-    With it, the next all_reduce on the same group decides the fast path in its own
-    frame: on two ranks sharing two cores, every 0.1 us spent before a small
-    collective comes back as about 3 us of latency (benchmarks/overhead.py).
-    """
-
-    slot: Tuple[Callable[[], object], bool, bool, FrozenSet[str], List[float]] = (
-        _no_group, False, False, frozenset(), [0, 0, 0, 0.0])
-
-
-_LAST_ALL_REDUCE = _LastAllReduce()
+# What the previous all_reduce (on any thread) learnt about its group: a weak
+# reference to the group, whether it serves CPU tensors, CUDA tensors, which device
+# types it serves, and the all_reduce call counter. With it, the next all_reduce on
+# the same group decides the fast path in its own frame: on two ranks sharing two
+# cores, every 0.1 us spent before a small collective comes back as about 3 us of
+# latency (benchmarks/overhead.py). Replaced whole, so a reader never sees half of it.
+_last_all_reduce: Tuple[Callable[[], object], bool, bool, FrozenSet[str], Callable[[], int]] = (
+    _no_group, False, False, frozenset(), call_counter("all_reduce"))
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None,
                async_op: bool = False) -> Optional[Work]:
     """Reduce ``tensor`` across the group in place, as :func:`torch.distributed.all_reduce`."""
-    group_ref, serves_cpu, serves_cuda, served, calls = _LAST_ALL_REDUCE.slot
+    group_ref, serves_cpu, serves_cuda, served, count = _last_all_reduce
     # torch keeps the default group in _world._default_pg (torch >= 2.0); reading it
     # directly skips the two property calls behind dist.GroupMember.WORLD.
     if (
@@ -90,7 +82,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Optional[dis
         and (op is _SUM or op != _AVG)
         and (serves_cpu if tensor.is_cpu else serves_cuda if tensor.is_cuda else tensor.device.type in served)
     ):
-        calls[0] += 1
+        count()
         return _torch_all_reduce(tensor, op, group, async_op)
     return _all_reduce_resolved(tensor, op, group, async_op)
 
@@ -98,15 +90,15 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Optional[dis
 def _all_reduce_resolved(tensor: torch.Tensor, op: Any, group: Optional[dist.ProcessGroup],
                          async_op: bool) -> Optional[Work]:
     """all_reduce when the fast path could not decide: validate, resolve, then run or stage."""
+    global _last_all_reduce
     pg = _member_group(group)
     if pg is None:
         return _TORCH.all_reduce(tensor, op, group, async_op)
     device_type = _check_tensor(tensor, "tensor")
     count_call("all_reduce")
     served = _group_info(pg).device_types
-    if _LAST_ALL_REDUCE.slot[0]() is not pg:
-        _LAST_ALL_REDUCE.slot = (weakref.ref(pg), "cpu" in served, "cuda" in served, served,
-                                 thread_counter("all_reduce"))
+    if _last_all_reduce[0]() is not pg:
+        _last_all_reduce = (weakref.ref(pg), "cpu" in served, "cuda" in served, served, call_counter("all_reduce"))
     emulate_avg = op is not _SUM and _emulates_avg(op, pg, tensor, "all_reduce")
     if not emulate_avg and device_type in served:
         return _TORCH.all_reduce(tensor, op, group, async_op)
