@@ -124,10 +124,9 @@ def broadcast(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[d
     if pg is None:
         return _TORCH.broadcast(tensor, src, group, async_op, **_given(group_src=group_src))
     _check_tensor(tensor, "tensor")
-    root = _group_rank(pg, src, group_src, "src")
-    root_global = dist.get_global_rank(pg, root)
+    root, root_global = _root(pg, src, group_src, "src")
     count_call("broadcast")
-    if _served(tensor, pg):
+    if _served(pg, [tensor]):
         return _TORCH.broadcast(tensor, root_global, pg, async_op)
     is_root = pg.rank() == root
     target = _staging_target(pg, _group_info(pg).device_types)
@@ -154,11 +153,10 @@ def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op: Any = ReduceOp.S
     if pg is None:
         return _TORCH.reduce(tensor, dst, op, group, async_op, **_given(group_dst=group_dst))
     _check_tensor(tensor, "tensor")
-    root = _group_rank(pg, dst, group_dst, "dst")
-    root_global = dist.get_global_rank(pg, root)
+    root, root_global = _root(pg, dst, group_dst, "dst")
     count_call("reduce")
     emulate_avg = _emulates_avg(op, pg, tensor, "reduce")
-    served = _served(tensor, pg)
+    served = _served(pg, [tensor])
     if not emulate_avg and served:
         return _TORCH.reduce(tensor, root_global, op, pg, async_op)
     is_root = pg.rank() == root
@@ -184,8 +182,9 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Opt
     _check_tensor(tensor, "tensor")
     outputs = _check_tensor_list(tensor_list, "tensor_list", length=pg.size(), dtype=tensor.dtype)
     count_call("all_gather")
-    uneven = any(out.numel() != tensor.numel() for out in outputs)
-    if not uneven and _served(tensor, pg) and all(_served(out, pg) for out in outputs):
+    numel = tensor.numel()
+    uneven = any(out.numel() != numel for out in outputs)
+    if not uneven and _served(pg, [tensor, *outputs]):
         return _TORCH.all_gather(tensor_list, tensor, pg, async_op)
     if uneven:
         return _all_gather_uneven(outputs, tensor, pg, async_op)
@@ -208,7 +207,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     _check_tensor(input_tensor, "input_tensor")
     _check_sizes(output_tensor, "output_tensor", input_tensor.numel() * pg.size(), input_tensor.dtype)
     count_call("all_gather_into_tensor")
-    if _served(input_tensor, pg) and _served(output_tensor, pg):
+    if _served(pg, [input_tensor, output_tensor]):
         return _TORCH.all_gather_into_tensor(output_tensor, input_tensor, pg, async_op)
     target = _comm_device(input_tensor, pg)
     with _Staging("all_gather_into_tensor", pg, "device") as staging:
@@ -230,7 +229,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
     _check_sizes(input, "input", output.numel() * pg.size(), output.dtype)
     count_call("reduce_scatter_tensor")
     emulate_avg = _emulates_avg(op, pg, input, "reduce_scatter")
-    served = _served(input, pg) and _served(output, pg)
+    served = _served(pg, [input, output])
     if not emulate_avg and served:
         return _TORCH.reduce_scatter_tensor(output, input, op, pg, async_op)
     reason = "avg" if served else "device"
@@ -391,8 +390,13 @@ def _member_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGr
     return _resolve_group(group)
 
 
-def _served(tensor: torch.Tensor, pg: dist.ProcessGroup) -> bool:
-    return _device_type(tensor) in _group_info(pg).device_types
+def _served(pg: dist.ProcessGroup, tensors: List[torch.Tensor]) -> bool:
+    """Whether ``pg`` serves every one of ``tensors`` where it lies."""
+    served = _group_info(pg).device_types
+    for tensor in tensors:
+        if _device_type(tensor) not in served:
+            return False
+    return True
 
 
 def _comm_device(tensor: torch.Tensor, pg: dist.ProcessGroup) -> torch.device:
@@ -449,8 +453,8 @@ def _check_sizes(tensor: torch.Tensor, name: str, numel: int, dtype: torch.dtype
         raise ValueError(f"{name} has {tensor.numel()} elements; expected {numel} (group size times the piece size)")
 
 
-def _group_rank(pg: dist.ProcessGroup, rank: Optional[int], group_rank: Optional[int], name: str) -> int:
-    """Validate ``src``/``dst`` (global) or ``group_src``/``group_dst``; return the group rank."""
+def _root(pg: dist.ProcessGroup, rank: Optional[int], group_rank: Optional[int], name: str) -> Tuple[int, int]:
+    """Validate ``src``/``dst`` (global) or ``group_src``/``group_dst``; return the root's group and global rank."""
     if rank is not None and group_rank is not None:
         raise ValueError(f"pass {name} or group_{name}, not both")
     if rank is None and group_rank is None:
@@ -462,10 +466,10 @@ def _group_rank(pg: dist.ProcessGroup, rank: Optional[int], group_rank: Optional
         ranks = dist.get_process_group_ranks(pg)
         if value not in ranks:
             raise ValueError(f"{name}={value} is not a rank of the group; expected one of {ranks}")
-        return ranks.index(value)
+        return ranks.index(value), value
     if not 0 <= value < pg.size():
         raise ValueError(f"group_{name}={value} is out of range; expected 0 <= group_{name} < {pg.size()}")
-    return value
+    return value, dist.get_global_rank(pg, value)
 
 
 def _given(**kwargs: Any) -> Dict[str, Any]:
