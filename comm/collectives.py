@@ -46,7 +46,7 @@ _TORCH = types.SimpleNamespace(
 )
 # What comm itself calls to gather into, and reduce-scatter from, one flat buffer:
 # torch >= 2.12 deprecates the *_tensor names in favour of *_single.
-_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 Work = Any  # torch's work object, or comm's DeferredWork
@@ -193,7 +193,7 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Opt
         source = staging.stage_in([tensor], target)
         gathered = torch.empty(tensor.numel() * pg.size(), dtype=tensor.dtype, device=target)
         finish = staging.finisher(gathered, outputs)
-        work = _gather_flat(gathered, source, pg, True)
+        work = _gather_flat(gathered, source, pg, async_op=True)
         return staging.complete([work], finish, outputs, async_op)
 
 
@@ -214,7 +214,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
         source = staging.stage_in([input_tensor], target)
         gathered = torch.empty(output_tensor.numel(), dtype=output_tensor.dtype, device=target)
         finish = staging.finisher(gathered, [output_tensor])
-        work = _gather_flat(gathered, source, pg, True)
+        work = _gather_flat(gathered, source, pg, async_op=True)
         return staging.complete([work], finish, [output_tensor], async_op)
 
 
@@ -290,7 +290,7 @@ def _all_gather_uneven(outputs: List[torch.Tensor], tensor: torch.Tensor, pg: di
         gathered = torch.empty(largest * pg.size(), dtype=tensor.dtype, device=target)
         starts = [i * largest for i in range(pg.size())]
         finish = staging.finisher(gathered, outputs, 1, starts)
-        work = _gather_flat(gathered, padded, pg, True)
+        work = _gather_flat(gathered, padded, pg, async_op=True)
         if mismatched:  # every rank still joined the gather, so none is left hanging
             work.wait()
             raise ValueError(
@@ -302,7 +302,7 @@ def _all_gather_uneven(outputs: List[torch.Tensor], tensor: torch.Tensor, pg: di
 
 def _gather_sizes(numel: int, device: torch.device, pg: dist.ProcessGroup) -> List[int]:
     sizes = torch.empty(pg.size(), dtype=torch.int64, device=device)
-    _gather_flat(sizes, torch.tensor([numel], dtype=torch.int64, device=device), pg)
+    _gather_flat(sizes, torch.tensor([numel], dtype=torch.int64, device=device), pg, async_op=False)
     return [int(n) for n in sizes.cpu()]
 
 
@@ -381,6 +381,18 @@ class _Staging:
             return f"{self.op}: unequal sizes; gathering padded to the largest, then trimming"
         served = sorted(_group_info(self.pg).device_types)
         return f"{self.op}: staging {'; '.join(self.moves)} because the group serves only {served}"
+
+
+def _gather_flat(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessGroup, *, async_op: bool) -> Any:
+    """Gather every rank's ``input`` into the flat ``output``, on any backend.
+
+    gloo's flat all-gather, where it has one, is its list all-gather over chunks of
+    the output; gloo in torch 2.1 has none ("no support for _allgather_base"), so
+    comm does the same itself for gloo.
+    """
+    if _group_info(pg).backends.get(_device_type(input)) == "gloo":
+        return _TORCH.all_gather(list(output.chunk(pg.size())), input, pg, async_op)
+    return _all_gather_flat(output, input, pg, async_op)
 
 
 def _member_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:

@@ -18,6 +18,8 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
+import pytest
+
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "comm"])
 
@@ -51,6 +53,8 @@ def run_ranks(
     ``$COMM_TEST_STORE``). Any rank's exception fails the call with every rank's
     traceback. Ranks in ``expect_dead`` (killed on purpose) report None.
     """
+    if simulate is not None:
+        skip_unless_simulation()
     workdir = tempfile.mkdtemp(prefix="comm-test-")
     results: "multiprocessing.Queue[Any]" = _CONTEXT.Queue()
     processes = [
@@ -147,6 +151,17 @@ def _wait_for_each_other(workdir: str, survivors: int) -> None:
     if store.add("finished", 1) == survivors:
         store.set("all finished", "1")
     store.wait(["all finished"], datetime.timedelta(seconds=60))
+
+
+def skip_unless_simulation() -> None:
+    """Skip the calling test where this torch cannot host the simulated accelerator."""
+    import torch
+
+    import comm.testing
+
+    if not comm.testing.can_simulate():
+        pytest.skip(f"the simulated accelerator needs torch's Python PrivateUse1 hooks; torch {torch.__version__} "
+                    "lacks them")
 
 
 def init_group(backend: Optional[str], rank: int, world_size: int, pg_timeout: float = 60.0, **kwargs: Any) -> None:

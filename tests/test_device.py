@@ -1,5 +1,7 @@
 """comm.device: accelerator detection, per-rank binding, cache release."""
 
+import types
+
 import pytest
 import torch
 
@@ -12,7 +14,9 @@ from multiproc import NPU, run_ranks
 def test_probe_order_without_torch_accelerator(monkeypatch):
     # A CUDA or XPU build's probes cannot be simulated: stub them at the probe itself.
     assert comm_device._probe_accelerator() == "cpu"
-    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    if not hasattr(torch, "xpu"):  # torch < 2.3 has no xpu module at all
+        monkeypatch.setattr(torch, "xpu", types.SimpleNamespace(), raising=False)
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True, raising=False)
     assert comm_device._probe_accelerator() == "xpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert comm_device._probe_accelerator() == "cuda"

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from multiproc import SEED_ERROR
+from multiproc import SEED_ERROR, skip_unless_simulation
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -29,6 +29,7 @@ def _free_port():
 
 def test_train_ddp_on_two_torchrun_nodes_over_loopback():
     """Two agents with a c10d rendezvous on 127.0.0.1, one simulated-NPU process each."""
+    skip_unless_simulation()
     port = _free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}",
@@ -45,6 +46,7 @@ def test_train_ddp_on_two_torchrun_nodes_over_loopback():
 
 
 def test_legacy_trainer_fails_as_is_and_works_under_python_m_comm():
+    skip_unless_simulation()
     script = [str(EXAMPLES / "legacy_trainer.py"), "--simulate", "npu", "--steps", "3"]
     plain = _torchrun("--standalone", "--nproc-per-node", "2", *script)
     assert plain.returncode != 0 and SEED_ERROR in plain.stderr
@@ -56,6 +58,7 @@ def test_legacy_trainer_fails_as_is_and_works_under_python_m_comm():
 
 
 def test_fsdp2_offload_example_shows_the_failure_then_trains():
+    skip_unless_simulation()
     result = _torchrun("--standalone", "--nproc-per-node", "2", str(EXAMPLES / "fsdp2_offload_clip.py"))
     assert result.returncode == 0, result.stderr
     assert f"torch.nn.utils.clip_grad_norm_ fails: RuntimeError: {SEED_ERROR}" in result.stdout
@@ -65,6 +68,7 @@ def test_fsdp2_offload_example_shows_the_failure_then_trains():
 
 
 def test_bind_and_reduce_on_cpu_and_simulated_npu():
+    skip_unless_simulation()
     for extra, device, backend in [([], "cpu", "gloo"), (["--simulate", "npu"], "npu:{rank}", "hccl")]:
         result = _torchrun("--standalone", "--nproc-per-node", "2", str(EXAMPLES / "bind_and_reduce.py"), *extra)
         assert result.returncode == 0, result.stderr

@@ -31,10 +31,20 @@ import torch.distributed as dist
 from comm.testing import _device, _process_group
 from comm.testing._device import counters, reset_counters
 
-__all__ = ["counters", "offloaded", "reset_counters", "simulate_accelerator", "simulated_accelerator"]
+__all__ = ["can_simulate", "counters", "offloaded", "reset_counters", "simulate_accelerator", "simulated_accelerator"]
 
 _LOCK = threading.Lock()
 _ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any]]] = None
+
+
+def can_simulate() -> bool:
+    """Whether this torch can host the simulated accelerator.
+
+    The simulation needs torch's Python PrivateUse1 hooks (``torch._C._acc``, checked
+    on torch 2.13); on older releases :func:`simulate_accelerator` raises
+    ``RuntimeError``, and test suites can skip what needs it.
+    """
+    return _device.hooks_available()
 
 
 def simulate_accelerator(

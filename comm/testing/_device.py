@@ -261,10 +261,14 @@ def _build_device_module(name: str) -> types.ModuleType:
     return module
 
 
+def hooks_available() -> bool:
+    return hasattr(torch._C, "_acc")
+
+
 def install_device(name: str, device_count: int) -> None:
     """Rename PrivateUse1 to ``name`` and route its operators to the CPU payloads."""
     global _STATE
-    if not hasattr(torch._C, "_acc"):
+    if not hooks_available():
         raise RuntimeError(
             "simulating an accelerator needs torch's Python PrivateUse1 hooks (torch._C._acc); "
             f"torch {torch.__version__} lacks them"
