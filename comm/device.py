@@ -35,6 +35,10 @@ def accelerator_type() -> str:
     if override:
         return _checked_override(override)
     if hasattr(torch, "accelerator"):
+        # Availability first: current_accelerator() names the accelerator torch was
+        # built for, so a CUDA wheel on a CPU-only machine says cuda (torch 2.6 raises).
+        if not torch.accelerator.is_available():
+            return "cpu"
         accelerator = torch.accelerator.current_accelerator()
         return accelerator.type if accelerator is not None else "cpu"
     return _probe_accelerator()

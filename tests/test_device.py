@@ -22,6 +22,16 @@ def test_probe_order_without_torch_accelerator(monkeypatch):
     assert comm_device._probe_accelerator() == "cuda"
 
 
+@pytest.mark.skipif(not hasattr(torch, "accelerator"), reason="torch.accelerator arrived in torch 2.6")
+def test_a_cuda_build_without_a_gpu_is_a_cpu_process(monkeypatch):
+    # What a CUDA wheel reports on a CPU-only machine: torch was built for cuda (the
+    # compile-time answer, stubbed on this CPU build), and CUDA is not available.
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    assert not torch.cuda.is_available()
+    assert comm.accelerator_type() == "cpu"
+    assert comm.bind(1) == torch.device("cpu")
+
+
 def test_cpu_only_process():
     assert comm.accelerator_type() == "cpu"
     assert comm.bind() == torch.device("cpu")
