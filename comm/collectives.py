@@ -53,6 +53,7 @@ Work = Any  # torch's work object, or comm's DeferredWork
 _SUM, _AVG = ReduceOp.SUM, ReduceOp.AVG
 _Tensor = torch.Tensor
 _torch_all_reduce = _TORCH.all_reduce  # the fast path's one call, without the attribute lookup
+_count_all_reduce = call_counter("all_reduce")
 
 
 def _no_group() -> object:
@@ -61,19 +62,18 @@ def _no_group() -> object:
 
 
 # What the previous all_reduce (on any thread) learnt about its group: a weak
-# reference to the group, whether it serves CPU tensors, CUDA tensors, which device
-# types it serves, and the all_reduce call counter. With it, the next all_reduce on
-# the same group decides the fast path in its own frame: on two ranks sharing two
-# cores, every 0.1 us spent before a small collective comes back as about 3 us of
-# latency (benchmarks/overhead.py). Replaced whole, so a reader never sees half of it.
-_last_all_reduce: Tuple[Callable[[], object], bool, bool, FrozenSet[str], Callable[[], int]] = (
-    _no_group, False, False, frozenset(), call_counter("all_reduce"))
+# reference to the group, whether it serves CPU tensors, CUDA tensors, and which
+# device types it serves. With it, the next all_reduce on the same group decides the
+# fast path in its own frame: on two ranks sharing two cores, every 0.1 us spent
+# before a small collective comes back as about 3 us of latency
+# (benchmarks/overhead.py). Replaced whole, so a reader never sees half of it.
+_last_all_reduce: Tuple[Callable[[], object], bool, bool, FrozenSet[str]] = (_no_group, False, False, frozenset())
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None,
                async_op: bool = False) -> Optional[Work]:
     """Reduce ``tensor`` across the group in place, as :func:`torch.distributed.all_reduce`."""
-    group_ref, serves_cpu, serves_cuda, served, count = _last_all_reduce
+    group_ref, serves_cpu, serves_cuda, served = _last_all_reduce
     # torch keeps the default group in _world._default_pg (torch >= 2.0); reading it
     # directly skips the two property calls behind dist.GroupMember.WORLD.
     if (
@@ -82,7 +82,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Optional[dis
         and (op is _SUM or op != _AVG)
         and (serves_cpu if tensor.is_cpu else serves_cuda if tensor.is_cuda else tensor.device.type in served)
     ):
-        count()
+        _count_all_reduce()
         return _torch_all_reduce(tensor, op, group, async_op)
     return _all_reduce_resolved(tensor, op, group, async_op)
 
@@ -95,10 +95,10 @@ def _all_reduce_resolved(tensor: torch.Tensor, op: Any, group: Optional[dist.Pro
     if pg is None:
         return _TORCH.all_reduce(tensor, op, group, async_op)
     device_type = _check_tensor(tensor, "tensor")
-    count_call("all_reduce")
+    _count_all_reduce()
     served = _group_info(pg).device_types
     if _last_all_reduce[0]() is not pg:
-        _last_all_reduce = (weakref.ref(pg), "cpu" in served, "cuda" in served, served, call_counter("all_reduce"))
+        _last_all_reduce = (weakref.ref(pg), "cpu" in served, "cuda" in served, served)
     emulate_avg = op is not _SUM and _emulates_avg(op, pg, tensor, "all_reduce")
     if not emulate_avg and device_type in served:
         return _TORCH.all_reduce(tensor, op, group, async_op)

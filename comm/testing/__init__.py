@@ -40,9 +40,10 @@ _ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any]]] = None
 def can_simulate() -> bool:
     """Whether this torch can host the simulated accelerator.
 
-    The simulation needs torch's Python PrivateUse1 hooks (``torch._C._acc``, checked
-    on torch 2.13); on older releases :func:`simulate_accelerator` raises
-    ``RuntimeError``, and test suites can skip what needs it.
+    The simulation needs torch's Python PrivateUse1 hooks (``torch._C._acc``: present
+    in torch 2.13 and 2.14, absent in 2.1 and 2.6); without them
+    :func:`simulate_accelerator` raises ``RuntimeError``, and test suites can skip
+    what needs it.
     """
     return _device.hooks_available()
 
