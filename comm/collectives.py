@@ -332,15 +332,20 @@ class _Staging:
 
     def finisher(self, buffer: torch.Tensor, targets: List[torch.Tensor], divisor: int = 1,
                  starts: Optional[Sequence[int]] = None) -> Callable[[], None]:
-        """The step after the collective: divide for emulated AVG, then write back."""
+        """The step after the collective: divide for emulated AVG, then write back.
+
+        It holds the op's name, not this object: a work handle keeps it, and what
+        a work handle holds must not keep the group alive (see ``DeferredWork``).
+        """
         self._record(targets, buffer.device, into=False)
+        op = self.op
 
         def finish() -> None:
             start = time.perf_counter()
             if divisor != 1:
                 buffer.div_(divisor)
             restore(buffer, targets, starts)
-            count_staging(self.op, 0, time.perf_counter() - start, new_call=False)
+            count_staging(op, 0, time.perf_counter() - start, new_call=False)
 
         return finish
 

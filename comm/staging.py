@@ -104,6 +104,11 @@ class DeferredWork:
     Behaves like torch's work object: ``wait()`` waits and then writes the results
     into the caller's tensors; ``is_completed()`` is True only once they are
     there; ``get_future()`` completes after the write-back.
+
+    It must hold no reference to the process group: ``get_future()``'s callback
+    runs on a backend thread, and if that thread dropped the group's last
+    reference, the group's destructor would join the thread it runs on (gloo
+    aborts with "Resource deadlock avoided").
     """
 
     def __init__(self, works: Sequence[Any], finish: Callable[[], None], outputs: List[torch.Tensor],

@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 import tracemalloc
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -139,6 +140,18 @@ def _memory_over_many_calls(rank, world_size):
     del group
     gc.collect()
     seen["cached_after"] = len(comm.backend._GROUP_INFO)
+    # A staged call's work handle must not keep its group alive: whichever thread
+    # drops the last reference runs the group's destructor, and on a backend thread
+    # (a future's callback) that destructor joins the thread it runs on and aborts.
+    group = dist.new_group([0], backend="hccl")
+    work = comm.all_reduce(torch.ones(2), group=group, async_op=True)  # a CPU tensor on hccl: staged
+    work.get_future().wait()
+    collected = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    seen["work_holds_group"] = collected() is not None
+    seen["work_result"] = work.result()[0].tolist()
     return seen
 
 
@@ -152,3 +165,4 @@ def test_ten_thousand_calls_do_not_grow_memory():
         assert seen[path]["tensors"] == 0 and seen[path]["objects"] <= 10, seen
         assert seen[path]["bytes"] < 10_000 * 8, seen
     assert seen["cached_after"] == seen["cached_with_group"] - 1  # the destroyed group is forgotten
+    assert not seen["work_holds_group"] and seen["work_result"] == [1.0, 1.0]
