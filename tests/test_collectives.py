@@ -172,7 +172,8 @@ def _uneven_and_avg(rank, world_size, force_avg_emulation):
         comm.reduce_scatter_tensor(scattered, values.clone(), ReduceOp.AVG)
         seen["reduce_scatter"] = scattered
     except RuntimeError as error:  # gloo in torch 2.1 cannot reduce-scatter: torch's error passes through
-        seen["reduce_scatter"] = (str(error), _torch_reduce_scatter_outcome(values))
+        seen["reduce_scatter"] = (str(error), _torch_says(
+            lambda: dist.reduce_scatter_tensor(torch.zeros(6, dtype=values.dtype), values.clone())))
     integers = torch.arange(4)
     with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
         comm.all_reduce(integers, op=ReduceOp.AVG)
@@ -181,21 +182,15 @@ def _uneven_and_avg(rank, world_size, force_avg_emulation):
     seen["integers_untouched"] = torch.equal(integers, torch.arange(4))
     seen["emulated"] = force_avg_emulation or dist.get_backend() == "hccl"
     if seen["emulated"]:
-        seen["torch_avg"] = _torch_avg_outcome(values.to(comm.current_device()))
+        on_device = values.to(comm.current_device())
+        seen["torch_avg"] = _torch_says(lambda: dist.all_reduce(on_device, op=ReduceOp.AVG))
     return seen
 
 
-def _torch_reduce_scatter_outcome(values):
+def _torch_says(call):
+    """What torch's own call does: "ok", or its error message."""
     try:
-        dist.reduce_scatter_tensor(torch.zeros(6, dtype=values.dtype), values.clone())
-    except RuntimeError as error:
-        return str(error)
-    return "ok"
-
-
-def _torch_avg_outcome(values):
-    try:
-        dist.all_reduce(values, op=ReduceOp.AVG)
+        call()
     except RuntimeError as error:
         return str(error)
     return "ok"
