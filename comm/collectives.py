@@ -191,7 +191,7 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Opt
     target = _comm_device(tensor, pg)
     with _Staging("all_gather", pg, "device") as staging:
         source = staging.stage_in([tensor], target)
-        gathered = torch.empty(tensor.numel() * pg.size(), dtype=tensor.dtype, device=target)
+        gathered = torch.empty(numel * pg.size(), dtype=tensor.dtype, device=target)
         finish = staging.finisher(gathered, outputs)
         work = _gather_flat(gathered, source, pg, async_op=True)
         return staging.complete([work], finish, outputs, async_op)
