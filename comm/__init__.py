@@ -2,7 +2,8 @@
 
 Device binding (:mod:`comm.device`), backend resolution (:mod:`comm.backend`),
 staging of tensors onto a device the group's backend serves (:mod:`comm.staging`),
-the collectives (:mod:`comm.collectives`), gradient norms (:mod:`comm.norm`),
+the collectives (:mod:`comm.collectives`, :mod:`comm.exchange`) and point-to-point
+calls (:mod:`comm.p2p`) with their fast path (:mod:`comm.fastpath`), gradient norms (:mod:`comm.norm`),
 counters (:mod:`comm.observability`) and the drop-in mode (:mod:`comm.patch`).
 """
 
@@ -14,22 +15,31 @@ from comm.collectives import (
     all_gather_into_tensor,
     all_reduce,
     all_reduce_coalesced,
+    barrier,
     broadcast,
     reduce,
+    reduce_scatter,
     reduce_scatter_tensor,
 )
 from comm.device import accelerator_type, bind, current_device, empty_cache
+from comm.exchange import all_to_all, all_to_all_single, gather, scatter
 from comm.norm import clip_grad_norm_, total_norm
 from comm.observability import reset_stats, stats
+from comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from comm.patch import is_patched, patch, patched, unpatch
 from comm.staging import staging_device
 
 __all__ = [
+    "P2POp",
     "accelerator_type",
     "all_gather",
     "all_gather_into_tensor",
     "all_reduce",
     "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
     "bind",
     "broadcast",
     "clip_grad_norm_",
@@ -37,13 +47,20 @@ __all__ = [
     "default_backend",
     "device_types",
     "empty_cache",
+    "gather",
     "init_process_group",
+    "irecv",
+    "isend",
     "is_patched",
     "patch",
     "patched",
+    "recv",
     "reduce",
+    "reduce_scatter",
     "reduce_scatter_tensor",
     "reset_stats",
+    "scatter",
+    "send",
     "staging_device",
     "stats",
     "total_norm",

@@ -18,10 +18,10 @@ USAGE = """usage: python -m comm [--no-clip] script.py [args...]
        python -m comm [--no-clip] -m module [args...]
 
 Runs the script or module as __main__, with its own arguments, after comm.patch():
-torch.distributed's collectives (all_reduce, broadcast, all_gather,
-all_gather_into_tensor, reduce_scatter_tensor, reduce) and
-torch.nn.utils.clip_grad_norm_ become comm's, which stage tensors onto a device
-the process group's backend serves.
+torch.distributed's collectives and point-to-point calls (all_reduce, broadcast,
+all_gather, gather, scatter, all_to_all, send, recv, batch_isend_irecv and the
+rest) and torch.nn.utils.clip_grad_norm_ become comm's, which stage tensors onto
+a device the process group's backend serves.
 
 options:
   --no-clip   leave torch.nn.utils.clip_grad_norm_ as it is

@@ -145,6 +145,10 @@ class _GroupInfo(NamedTuple):
     device_types: FrozenSet[str]
     backends: Dict[str, str]  # device type -> backend name
     size: int
+    group_ranks: Dict[int, int]  # global rank -> rank in the group
+    rank: int  # this process's rank in the group
+    serves_cpu: bool  # "cpu" in device_types, read by every fast path
+    serves_cuda: bool
 
 
 def _group_info(group: dist.ProcessGroup) -> _GroupInfo:
@@ -161,7 +165,8 @@ def _lookup_group_info(group: dist.ProcessGroup) -> _GroupInfo:
     types = frozenset(d.type for d in getattr(group, "_device_types", ())) or frozenset(backends)
     if not types:
         raise RuntimeError(f"cannot tell which device types process group {group!r} serves")
-    return _GroupInfo(types, backends, group.size())
+    ranks = {rank: index for index, rank in enumerate(dist.get_process_group_ranks(group))}
+    return _GroupInfo(types, backends, group.size(), ranks, group.rank(), "cpu" in types, "cuda" in types)
 
 
 def _resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:

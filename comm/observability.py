@@ -80,8 +80,11 @@ def count_staging(op: str, nbytes: int, seconds: float, *, new_call: bool) -> No
     entry[2] += seconds
 
 
-def log_first_staging(op: str, group_id: int, reason: str, message: str) -> None:
-    """Log ``message`` at INFO the first time ``op`` stages for ``reason`` on a group."""
+def log_first_staging(op: str, group_id: int, reason: str, message: Callable[[], str]) -> None:
+    """Log ``message()`` at INFO the first time ``op`` stages for ``reason`` on a group.
+
+    The message is built only then: staging must not pay for formatting on every call.
+    """
     key = (op, group_id, reason)
     if key in _LOGGED:
         return
@@ -89,7 +92,7 @@ def log_first_staging(op: str, group_id: int, reason: str, message: str) -> None
         if key in _LOGGED:
             return
         _LOGGED.add(key)
-    logger.info("%s", message)
+    logger.info("%s", message())
 
 
 def stats() -> Dict[str, Dict[str, float]]:

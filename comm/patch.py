@@ -14,24 +14,29 @@ import importlib
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
-from comm import collectives, norm
+import torch.distributed as dist
+
+from comm import collectives, exchange, norm, p2p
 
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
 
 _COLLECTIVE_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
-_COLLECTIVES = (
-    "all_reduce",
-    "broadcast",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "reduce",
-)
+# Every collective and point-to-point call comm wraps that this torch has. P2POp
+# stays torch's: built with the patched isend/irecv it passes torch's own checks.
+_WRAPPERS = {
+    name: getattr(module, name)
+    for module in (collectives, exchange, p2p)
+    for name in module.__all__
+    if name != "P2POp" and hasattr(dist, name)
+}
 _CLIP_MODULES = ("torch.nn.utils", "torch.nn.utils.clip_grad")
 
 _LOCK = threading.RLock()
 # (module name, attribute) -> torch's original object, for each attribute replaced.
 _ORIGINALS: Dict[Tuple[str, str], Any] = {}
+# One stand-in per replaced function, the same object in every module: torch
+# compares functions by identity (P2POp's op against distributed_c10d.isend).
+_STAND_INS: Dict[int, Callable[..., Any]] = {}
 
 
 def patch(clip_grad_norm: bool = True) -> None:
@@ -77,7 +82,7 @@ def patched(clip_grad_norm: bool = True) -> Iterator[None]:
 
 
 def _targets(clip_grad_norm: bool) -> List[Tuple[str, str, Callable[..., Any]]]:
-    targets = [(m, name, getattr(collectives, name)) for m in _COLLECTIVE_MODULES for name in _COLLECTIVES]
+    targets = [(m, name, wrapper) for m in _COLLECTIVE_MODULES for name, wrapper in _WRAPPERS.items()]
     if clip_grad_norm:
         targets += [(m, "clip_grad_norm_", norm.clip_grad_norm_) for m in _CLIP_MODULES]
     return targets
@@ -89,7 +94,10 @@ def _install(module_name: str, name: str, replacement: Callable[..., Any]) -> No
     module = importlib.import_module(module_name)
     original = getattr(module, name)
     _ORIGINALS[(module_name, name)] = original
-    setattr(module, name, _stand_in(original, replacement))
+    stand_in = _STAND_INS.get(id(original))
+    if stand_in is None or stand_in.__comm_replaces__ is not original:  # type: ignore[attr-defined]
+        stand_in = _STAND_INS[id(original)] = _stand_in(original, replacement)
+    setattr(module, name, stand_in)
 
 
 def _stand_in(original: Callable[..., Any], replacement: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,22 +1,41 @@
-"""Staging: where a tensor must go for a group's backend to accept it.
+"""Staging: running a collective whose tensors live where the group's backend does not serve them.
 
 A collective on a group whose backend does not serve the tensor's device (a CPU
-gradient norm on an nccl or hccl group) fails in torch. ``staging_device`` names the
-device to move it to; the collective wrappers do the moving.
+gradient norm on an nccl or hccl group) fails in torch. This module is the one
+place that moves tensors for it:
+
+* :func:`staging_device` names the device to move a tensor to;
+* :class:`Staging` copies a call's inputs there (one transfer per tensor or list),
+  lets the collective run on the copies, and writes the results back into the
+  caller's tensors (one transfer per tensor or list), dividing first where it
+  emulates ``ReduceOp.AVG``; its handle (:class:`comm.work.DeferredWork`) does
+  the writing back on ``wait()`` for async calls.
+
+The caller's tensors are only written after the collective succeeded, so a
+failure leaves them as they were. Whether a call needs staging at all is
+:mod:`comm.fastpath`'s question.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable, FrozenSet, List, Optional, Sequence
+import functools
+import time
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp
 
-from comm.backend import _resolve_group, device_types
+from comm.arguments import device_type
+from comm.backend import _group_info, _GroupInfo, _native_avg, _resolve_group
 from comm.device import _is_available, accelerator_type, current_device
+from comm.fastpath import served
+from comm.observability import count_staging, log_first_staging
+from comm.work import DeferredWork, add_note
 
 __all__ = ["staging_device"]
+
+_SUM, _AVG = ReduceOp.SUM, ReduceOp.AVG
 
 
 def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> Optional[torch.device]:
@@ -28,23 +47,24 @@ def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = No
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    group = _resolve_group(group)
-    served = device_types(group)
-    if tensor.device.type in served:
+    pg = _resolve_group(group)
+    info = _group_info(pg)
+    if tensor.device.type in info.device_types:
         return None
-    return _staging_target(group, served)
+    return _staging_target(pg, info)
 
 
-def _staging_target(group: dist.ProcessGroup, served: FrozenSet[str]) -> torch.device:
+def _staging_target(group: dist.ProcessGroup, info: _GroupInfo) -> torch.device:
+    served = info.device_types
     bound = getattr(group, "bound_device_id", None)
     if bound is not None and bound.type in served:
         return torch.device(bound)
     accelerator = accelerator_type()
     if accelerator in served:
         return current_device(accelerator)
-    for device_type in sorted(served - {"cpu"}):
-        if _is_available(device_type):
-            return current_device(device_type)
+    for kind in sorted(served - {"cpu"}):
+        if _is_available(kind):
+            return current_device(kind)
     if "cpu" in served:
         return torch.device("cpu")
     raise RuntimeError(
@@ -52,118 +72,241 @@ def _staging_target(group: dist.ProcessGroup, served: FrozenSet[str]) -> torch.d
     )
 
 
-def stage(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One flat copy of ``tensors`` (one dtype) on ``device``: a single transfer.
-
-    Always a copy, never a view of the caller's memory, so a failed collective
-    cannot touch the caller's tensors.
-    """
-    if len(tensors) == 1:
-        source = tensors[0].reshape(-1)
-    else:
-        source = torch.cat([t.reshape(-1) for t in tensors])
-    return source.to(device, copy=True)
+def emulates_avg(op: Any, pg: dist.ProcessGroup, info: _GroupInfo, tensor: torch.Tensor, kind: str) -> bool:
+    """True when AVG must run as SUM then divide; raises torch's error for integer tensors first."""
+    if op is _SUM or op != _AVG:
+        return False
+    where = device_type(tensor) if device_type(tensor) in info.device_types else _staging_target(pg, info).type
+    if _native_avg(pg, where, kind):
+        return False
+    torch.empty(0, dtype=tensor.dtype).div_(2)  # torch's own error for integer and bool tensors
+    return True
 
 
-def restore(flat: torch.Tensor, tensors: Sequence[torch.Tensor], starts: Optional[Sequence[int]] = None) -> None:
-    """Write consecutive pieces of ``flat`` back into ``tensors`` in place.
-
-    Piece ``i`` starts at ``starts[i]`` (packed back to back by default). The
-    caller's tensors keep their identity, device, dtype, shape and strides.
-    """
-    if not tensors:
-        return
-    if len(tensors) > 1 and flat.device != tensors[0].device:
-        flat = flat.to(tensors[0].device)  # one transfer back, then host-side copies
-    if starts is None:
-        starts = _packed_starts(tensors)
-    with torch.no_grad():  # like c10d, write results in place whatever autograd thinks
-        for tensor, start in zip(tensors, starts):
-            tensor.copy_(flat[start : start + tensor.numel()].view(tensor.shape))
+# A buffer the collective wrote, the caller's tensors it goes back into, and where
+# each one's piece starts (None: packed back to back).
+_Restore = Tuple[torch.Tensor, List[torch.Tensor], Optional[List[int]]]
 
 
-def _packed_starts(tensors: Sequence[torch.Tensor]) -> List[int]:
-    starts, offset = [], 0
-    for tensor in tensors:
-        starts.append(offset)
-        offset += tensor.numel()
-    return starts
+class Staging:
+    """One staged call: copies in, torch's collective on them, and the results written back.
 
-
-def add_note(error: BaseException, note: str) -> None:
-    """Attach ``note`` to ``error`` (shown in the traceback from Python 3.11)."""
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:
-        error.__notes__ = [*getattr(error, "__notes__", []), note]
-
-
-class DeferredWork:
-    """The work handle of a collective ``comm`` must finish: copy back, divide for AVG.
-
-    Behaves like torch's work object: ``wait()`` waits and then writes the results
-    into the caller's tensors; ``is_completed()`` is True only once they are
-    there; ``get_future()`` completes after the write-back.
-
-    It must hold no reference to the process group: ``get_future()``'s callback
-    runs on a backend thread, and if that thread dropped the group's last
-    reference, the group's destructor would join the thread it runs on (gloo
-    aborts with "Resource deadlock avoided").
+    Used as a context manager around issuing the collective (with
+    ``async_op=True``); :meth:`finish` waits and writes back, or returns the work
+    handle that will. It counts the traffic, logs the first staging of each kind
+    per group, and notes on an exception what was staged. ``average`` runs
+    ``ReduceOp.AVG`` as SUM, then divides what the collective wrote by the group size.
     """
 
-    def __init__(self, works: Sequence[Any], finish: Callable[[], None], outputs: List[torch.Tensor],
-                 note: str) -> None:
-        self._works = list(works)
-        self._finish = finish
-        self._outputs = outputs
-        self._note = note
-        self._lock = threading.Lock()
-        self._finished = False
+    def __init__(self, name: str, pg: dist.ProcessGroup, info: _GroupInfo, average: bool = False,
+                 reason: Optional[str] = None) -> None:
+        self.name = name
+        self._pg = pg
+        self._info = info
+        self._divisor = pg.size() if average else 1
+        self._reason = reason  # None: "device" where something moved, else "avg"
+        self._target: Optional[torch.device] = None
+        self._works: List[Any] = []
+        self._restores: List[_Restore] = []
+        self._divided: List[torch.Tensor] = []
+        self._moves: List[Tuple[int, torch.device, torch.device]] = []
+        self._nbytes = 0
+        self._seconds = 0.0
 
-    def wait(self, timeout: Optional[Any] = None) -> bool:
-        try:
-            for work in self._works:
-                work.wait() if timeout is None else work.wait(timeout)
-        except BaseException as error:
-            if self._note:
-                add_note(error, self._note)
-            raise
-        self._finish_once()
-        return True
+    def op(self, op: Any) -> Any:
+        """The reduce op to send: SUM where AVG is emulated."""
+        return _SUM if self._divisor != 1 else op
 
-    def is_completed(self) -> bool:
-        if not all(work.is_completed() for work in self._works):
-            return False
-        if all(work.is_success() for work in self._works):
-            self._finish_once()
-        return True
+    @property
+    def target(self) -> torch.device:
+        """The device that tensors the group does not serve are staged onto."""
+        if self._target is None:
+            self._target = _staging_target(self._pg, self._info)
+        return self._target
 
-    def is_success(self) -> bool:
-        return self.is_completed() and all(work.is_success() for work in self._works)
+    def where(self, tensor: torch.Tensor) -> torch.device:
+        """The device ``tensor`` is communicated on: its own if served, else the target."""
+        return tensor.device if device_type(tensor) in self._info.device_types else self.target
 
-    def exception(self) -> Optional[BaseException]:
+    def send(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` where the collective can read it: itself if served, else a copy on the target."""
+        if device_type(tensor) in self._info.device_types:
+            return tensor
+        start = time.perf_counter()
+        copy = tensor.to(self.target, copy=True, memory_format=torch.contiguous_format)
+        self._moved([tensor], tensor.device, self.target, start)
+        return copy
+
+    def send_all(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+        """A list where the collective can read it: itself if served, else views of one flat copy."""
+        if served(self._info, tensors):
+            return tensors
+        return _pieces(self._flat_copy(tensors), tensors)
+
+    def receive(self, tensor: torch.Tensor, reads: bool = False) -> torch.Tensor:
+        """Where the collective writes ``tensor``'s result: itself if served, else a buffer on the target.
+
+        ``reads`` copies the current values in first (in-place collectives).
+        """
+        if device_type(tensor) in self._info.device_types:
+            if self._divisor != 1:
+                self._divided.append(tensor)
+            return tensor
+        buffer = self.send(tensor) if reads else torch.empty(tensor.shape, dtype=tensor.dtype, device=self.target)
+        self._write_back_later(buffer, [tensor], None)
+        return buffer
+
+    def receive_all(self, tensors: List[torch.Tensor], reads: bool = False) -> List[torch.Tensor]:
+        """Where the collective writes a list: itself if served, else views of one flat buffer."""
+        if served(self._info, tensors):
+            if self._divisor != 1:
+                self._divided.extend(tensors)
+            return tensors
+        if reads:
+            flat = self._flat_copy(tensors)
+        else:
+            flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=self.target)
+        self._write_back_later(flat, tensors, None)
+        return _pieces(flat, tensors)
+
+    def receive_joined(self, tensors: List[torch.Tensor]) -> torch.Tensor:
+        """One flat buffer holding ``tensors`` (one device and dtype) where the collective runs, written back after.
+
+        Coalescing: one collective for many tensors, even served ones; a single
+        served contiguous tensor is used as it is.
+        """
+        if len(tensors) == 1 and tensors[0].is_contiguous() and device_type(tensors[0]) in self._info.device_types:
+            return self.receive(tensors[0])
+        flat = self._flat_copy(tensors, self.where(tensors[0]))
+        self._write_back_later(flat, tensors, None)
+        return flat
+
+    def receive_flat(self, tensors: List[torch.Tensor], starts: Optional[List[int]], numel: int, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+        """A flat buffer of ``numel`` elements whose piece at ``starts[i]`` is written back into ``tensors[i]``.
+
+        ``starts`` None: the pieces are packed back to back.
+        """
+        flat = torch.empty(numel, dtype=dtype, device=device)
+        self._write_back_later(flat, tensors, starts)
+        return flat
+
+    def issue(self, work: Any) -> None:
+        """Keep the work of a collective issued on the staged tensors."""
+        self._works.append(work)
+
+    def finish(self, async_op: bool) -> Optional[DeferredWork]:
+        """Wait and write back now (sync), or return the handle whose ``wait()`` will (async)."""
+        if async_op:
+            return self.handle()
+        write = self._writer()
         for work in self._works:
-            error: Optional[BaseException] = work.exception()
-            if error is not None:
-                return error
+            work.wait()
+        write()
         return None
 
-    def result(self) -> List[torch.Tensor]:
-        self.wait()
-        return self._outputs
+    def handle(self) -> DeferredWork:
+        """The work handle of the issued collectives: its ``wait()`` also writes the results back."""
+        outputs = [t for _, targets, _ in self._restores for t in targets]
+        # The note reads the name and moves, never this object: a handle must not keep the group alive.
+        return DeferredWork(self._works, self._writer(), outputs, functools.partial(_note, self.name, self._moves))
 
-    def get_future(self) -> torch.futures.Future[List[torch.Tensor]]:
-        inner = torch.futures.collect_all([work.get_future() for work in self._works])
-        return inner.then(self._finish_future)
+    def _writer(self) -> Callable[[], None]:
+        return _writer(self.name, self._restores, self._divided, self._divisor)
 
-    def _finish_future(self, done: torch.futures.Future[List[torch.futures.Future[Any]]]) -> List[torch.Tensor]:
-        for future in done.value():
-            future.value()  # re-raises the collective's error
-        self._finish_once()
-        return self._outputs
+    def _write_back_later(self, buffer: torch.Tensor, targets: List[torch.Tensor], starts: Optional[List[int]]) -> None:
+        """Plan writing ``buffer`` back into ``targets`` once the collective succeeded; count what it will move."""
+        self._restores.append((buffer, targets, starts))
+        if buffer.device != targets[0].device:
+            self._moves.append((len(targets), buffer.device, targets[0].device))
+            self._nbytes += sum(t.numel() * t.element_size() for t in targets)
 
-    def _finish_once(self) -> None:
-        with self._lock:
-            if not self._finished:
-                self._finish()
-                self._finished = True
+    def _flat_copy(self, tensors: List[torch.Tensor], device: Optional[torch.device] = None) -> torch.Tensor:
+        """One flat copy of ``tensors`` (one device) on ``device`` (the target): joined, then one transfer."""
+        device = self.target if device is None else device
+        start = time.perf_counter()
+        if len(tensors) == 1:
+            copy = tensors[0].reshape(-1).to(device, copy=True)
+        else:  # cat makes the copy; moving it is the one transfer
+            copy = torch.cat([t.reshape(-1) for t in tensors]).to(device)
+        if device != tensors[0].device:
+            self._moved(tensors, tensors[0].device, device, start)
+        return copy
+
+    def _moved(self, tensors: List[torch.Tensor], source: torch.device, dest: torch.device, start: float) -> None:
+        self._seconds += time.perf_counter() - start
+        self._nbytes += sum(t.numel() * t.element_size() for t in tensors)
+        self._moves.append((len(tensors), source, dest))
+
+    def __enter__(self) -> "Staging":
+        return self
+
+    def __exit__(self, kind: Any, error: Optional[BaseException], trace: Any) -> None:
+        count_staging(self.name, self._nbytes, self._seconds, new_call=bool(self._moves))
+        reason = self._reason or ("device" if self._moves else "avg")
+        log_first_staging(self.name, id(self._pg), reason, self._log_message)
+        if error is not None and self._moves and not getattr(error, "__notes__", None):
+            add_note(error, _note(self.name, self._moves))
+
+    def _log_message(self) -> str:
+        if self._reason is None and not self._moves:
+            return f"{self.name}: the group's backend lacks a correct ReduceOp.AVG; running SUM, then dividing"
+        if self._reason == "uneven":
+            return f"{self.name}: unequal sizes; gathering padded to the largest, then trimming"
+        return f"{self.name}: staging {_describe(self._moves)} because the group serves only " \
+               f"{sorted(self._info.device_types)}"
+
+
+def _note(name: str, moves: List[Tuple[int, torch.device, torch.device]]) -> str:
+    """What was staged, for an exception's notes: built only when something failed."""
+    return f"comm staged {name}: {_describe(moves)}; the caller's tensors are unchanged" if moves else ""
+
+
+def _describe(moves: List[Tuple[int, torch.device, torch.device]]) -> str:
+    return "; ".join(f"{count} tensor(s) {source} -> {dest}" for count, source, dest in moves)
+
+
+def _pieces(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Views of consecutive pieces of ``flat`` shaped like ``like``."""
+    pieces, offset = [], 0
+    for tensor in like:
+        pieces.append(flat[offset : offset + tensor.numel()].view(tensor.shape))
+        offset += tensor.numel()
+    return pieces
+
+
+def _writer(name: str, restores: List[_Restore], divided: List[torch.Tensor], divisor: int) -> Callable[[], None]:
+    """The step after the collective: divide for emulated AVG, then write the results back.
+
+    It holds tensors and the op's name, not the group: a work handle keeps it, and
+    what a work handle holds must not keep the group alive (see ``DeferredWork``).
+    """
+
+    def write() -> None:
+        start = time.perf_counter()
+        with torch.no_grad():  # like c10d, write results in place whatever autograd thinks
+            for tensor in divided:
+                tensor.div_(divisor)
+            for buffer, targets, starts in restores:
+                if divisor != 1:
+                    buffer.div_(divisor)
+                _write_back(buffer, targets, starts)
+        count_staging(name, 0, time.perf_counter() - start, new_call=False)
+
+    return write
+
+
+def _write_back(buffer: torch.Tensor, targets: List[torch.Tensor], starts: Optional[List[int]]) -> None:
+    """Copy ``buffer`` into ``targets``: one transfer, then views of host memory where there are several."""
+    if len(targets) == 1 and starts is None:
+        targets[0].copy_(buffer)  # the buffer has the target's shape: one copy, no view of device memory
+        return
+    flat = buffer if buffer.device == targets[0].device else buffer.to(targets[0].device)
+    if starts is None:
+        starts = [0]
+        for tensor in targets[:-1]:
+            starts.append(starts[-1] + tensor.numel())
+    for tensor, begin in zip(targets, starts):
+        tensor.copy_(flat[begin : begin + tensor.numel()].view(tensor.shape))
+
+

@@ -36,6 +36,10 @@ def _wrapper_calls(rank, group):
     size = dist.get_world_size(group)
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     root = ranks[-1]
+    me = ranks.index(rank)
+    is_root = rank == root
+    sends = [me + 1 + i for i in range(size)]  # uneven all_to_all_single: what this rank sends to each
+    receives = [i + 1 + me for i in range(size)]
 
     def single(dtype, contiguous):
         return [_data(rank, dtype, contiguous)]
@@ -49,6 +53,19 @@ def _wrapper_calls(rank, group):
     def scatter(dtype, contiguous):
         return [torch.zeros(12 // size * 1, dtype=dtype), _data(rank, dtype, contiguous, numel=12 // size * size)]
 
+    def pieces(dtype, contiguous):  # one output, then one input per rank
+        return [torch.zeros(4, dtype=dtype)] + [_data(rank + i, dtype, contiguous, numel=4) for i in range(size)]
+
+    def exchange(dtype, contiguous):  # one output and one input per rank
+        return [torch.zeros(3, dtype=dtype) for _ in range(size)] + [
+            _data(rank * size + i, dtype, contiguous, numel=3) for i in range(size)]
+
+    def even(dtype, contiguous):
+        return [torch.zeros(12, dtype=dtype), _data(rank, dtype, contiguous)]
+
+    def uneven(dtype, contiguous):
+        return [torch.zeros(sum(receives), dtype=dtype), _data(rank, dtype, contiguous, numel=sum(sends))]
+
     return [
         ("all_reduce sum", lambda m, t, a: m.all_reduce(t[0], group=group, async_op=a), single),
         ("all_reduce max", lambda m, t, a: m.all_reduce(t[0], ReduceOp.MAX, group, a), single),
@@ -58,6 +75,15 @@ def _wrapper_calls(rank, group):
         ("all_gather_into_tensor", lambda m, t, a: m.all_gather_into_tensor(t[0], t[1], group, a), into),
         ("reduce_scatter_tensor", lambda m, t, a: m.reduce_scatter_tensor(t[0], t[1], group=group, async_op=a),
          scatter),
+        ("gather", lambda m, t, a: m.gather(t[0], t[1:] if is_root else None, dst=root, group=group, async_op=a),
+         gather),
+        ("scatter", lambda m, t, a: m.scatter(t[0], t[1:] if is_root else None, src=root, group=group, async_op=a),
+         pieces),
+        ("reduce_scatter", lambda m, t, a: m.reduce_scatter(t[0], t[1:], group=group, async_op=a), pieces),
+        ("all_to_all", lambda m, t, a: m.all_to_all(t[:size], t[size:], group, a), exchange),
+        ("all_to_all_single", lambda m, t, a: m.all_to_all_single(t[0], t[1], group=group, async_op=a), even),
+        ("all_to_all_single uneven", lambda m, t, a: m.all_to_all_single(t[0], t[1], receives, sends, group, a),
+         uneven),
     ]
 
 
@@ -83,7 +109,7 @@ def _differences(rank, group, dtypes, label):
                     expected = _outcome(dist, call, make(dtype, contiguous), async_op)
                     got = _outcome(comm, call, make(dtype, contiguous), async_op)
                     case = f"{label} {name} {dtype} contiguous={contiguous} async={async_op}"
-                    if name == "reduce" and dist.get_rank() != destination:
+                    if name in ("reduce", "gather") and dist.get_rank() != destination:
                         continue  # torch leaves non-destination tensors unspecified
                     if expected[0] != got[0]:
                         differences.append(f"{case}: torch {expected} vs comm {got}")
@@ -114,23 +140,28 @@ def test_bit_identical_to_torch_on_gloo(world_size):
 
 
 def _cpu_tensors_on_simulated_hccl(rank, world_size):
-    """CPU tensors (FSDP offload) through every wrapper match the same data on the NPU."""
+    """CPU tensors (FSDP offload) through every wrapper, and through torch's own function under
+    comm.patch(), match the same data on the NPU; torch alone fails with the seed's error."""
     group = dist.group.WORLD
     differences = []
-    with pytest.raises(RuntimeError, match=SEED_ERROR):
-        dist.all_reduce(torch.ones(2))  # plain torch fails: the second seed
     for name, call, make in _wrapper_calls(rank, group):
+        unpatched = _torch_says(lambda: call(dist, make(torch.float32, True), False))
+        if unpatched != SEED_ERROR:
+            differences.append(f"{name}: torch alone on CPU tensors says {unpatched!r}")
         for dtype in (torch.float32, torch.int64):
             for async_op in (False, True):
-                on_cpu = make(dtype, True)
                 on_npu = [t.to(f"npu:{rank}") for t in make(dtype, True)]
-                got = _outcome(comm, call, on_cpu, async_op)
                 expected = _outcome(dist, call, on_npu, async_op)
-                if got[0] != "ok" or expected[0] != "ok":
-                    differences.append(f"{name} {dtype}: comm {got[0]}, torch on npu {expected[0]}")
-                elif not all(torch.equal(a, b.cpu()) for a, b in zip(got[1], expected[1])):
-                    if not (name == "reduce" and rank != world_size - 1):
-                        differences.append(f"{name} {dtype} async={async_op}: values differ")
+                on_cpu = make(dtype, True)
+                through_comm = _outcome(comm, call, on_cpu, async_op)
+                with comm.patched(clip_grad_norm=False):
+                    through_patch = _outcome(dist, call, make(dtype, True), async_op)
+                for label, got in (("comm", through_comm), ("patched torch", through_patch)):
+                    if got[0] != "ok" or expected[0] != "ok":
+                        differences.append(f"{name} {dtype}: {label} {got[0]}, torch on npu {expected[0]}")
+                    elif not all(torch.equal(a, b.cpu()) for a, b in zip(got[1], expected[1])):
+                        if not (name in ("reduce", "gather") and rank != world_size - 1):
+                            differences.append(f"{name} {dtype} async={async_op}: {label} values differ")
                 if any(t.device.type != "cpu" for t in on_cpu):
                     differences.append(f"{name}: a caller tensor changed device")
     mixed = [torch.zeros(4) for _ in range(world_size)]  # NPU input, CPU outputs

@@ -17,8 +17,10 @@ import comm
 import thirdparty
 from multiproc import NPU, SEED_ERROR, run_ranks
 
-PLACES = [(m, n) for m in (dist, c10d) for n in
-          ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce")]
+WRAPPED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce",
+           "all_reduce_coalesced", "gather", "scatter", "reduce_scatter", "all_to_all", "all_to_all_single", "barrier",
+           "send", "recv", "isend", "irecv", "batch_isend_irecv")
+PLACES = [(m, n) for m in (dist, c10d) for n in WRAPPED]
 CLIP_PLACES = [(torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_norm_")]
 
 
@@ -42,6 +44,8 @@ def test_patch_and_unpatch_restore_the_exact_objects():
         assert stand_in.__name__ == original.__name__ and stand_in.__doc__ == original.__doc__
         assert inspect.signature(stand_in) == inspect.signature(original)
         assert stand_in.__comm_replaces__ is original
+    # One stand-in per function, in both modules: torch's P2POp compares op against c10d.isend.
+    assert all(getattr(dist, name) is getattr(c10d, name) for name in WRAPPED)
     comm.unpatch()
     assert not comm.is_patched()
     assert _snapshot() == originals and all(_snapshot()[k] is v for k, v in originals.items())

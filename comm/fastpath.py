@@ -1,0 +1,136 @@
+"""The fast path: can torch take a call's tensors as they are?
+
+Every collective asks :func:`fast_group` first. When the group was resolved
+before and serves every tensor's device, the collective calls torch directly,
+with nothing but this check in between; otherwise it takes the slow path, which
+(:func:`slow_path`) counts the call, resolves the group, checks its arguments,
+and calls torch or stages.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _world
+
+from comm.arguments import device_type, member_group
+from comm.backend import _GROUP_INFO, _group_info, _GroupInfo
+from comm.observability import count_call
+
+_Tensor = torch.Tensor
+
+
+def _forget(ref: Any) -> None:
+    """Drop the memo when its group is collected: a dead reference must never match ``group=None``."""
+    global _last
+    if _last[0] is ref:
+        _last = _NOTHING
+
+
+def _no_group() -> object:
+    """Stands in for a reference to a group: it names no group, not even a missing default."""
+    return _no_group
+
+
+_NOTHING: Tuple[Callable[[], object], Optional[_GroupInfo]] = (_no_group, None)
+# The last group any call resolved (on any thread), by weak reference, with what it
+# serves. With it, the next call on the same group decides its fast path in one
+# function call: on two ranks sharing two cores, every 0.1 us spent before a small
+# collective comes back as about 3 us of latency (benchmarks/overhead.py).
+# Replaced whole, so a reader never sees half of it.
+_last: Tuple[Callable[[], object], Optional[_GroupInfo]] = _NOTHING
+
+
+def fast_group(group: Optional[dist.ProcessGroup], tensor: Any, other: Any = None) -> Optional[_GroupInfo]:
+    """What the group serves, if torch can take ``tensor`` (and ``other``) as they are; else None.
+
+    None means "take the slow path": the group is not the memo's (or not yet
+    known), an argument is not a plain tensor, or a tensor's device is not served.
+    """
+    ref, info = _last
+    if ref() is not (_world._default_pg if group is None else group):
+        info = _recall(group)
+    if info is None or type(tensor) is not _Tensor:
+        return None
+    if not (info.serves_cpu if tensor.is_cpu else info.serves_cuda if tensor.is_cuda
+            else tensor.device.type in info.device_types):
+        return None
+    if other is not None and not (
+        type(other) is _Tensor
+        and (info.serves_cpu if other.is_cpu else info.serves_cuda if other.is_cuda
+             else other.device.type in info.device_types)
+    ):
+        return None
+    return info
+
+
+def known_group(group: Optional[dist.ProcessGroup]) -> Optional[_GroupInfo]:
+    """What the group serves, if comm has resolved it before; else None (take the slow path)."""
+    ref, info = _last
+    if ref() is not (_world._default_pg if group is None else group):
+        info = _recall(group)
+    return info
+
+
+def fast_list(info: _GroupInfo, tensors: Any, numel: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether ``tensors`` is one served plain tensor per rank (of ``numel`` elements of ``dtype``, where given)."""
+    if type(tensors) is not list or len(tensors) != info.size:
+        return False
+    for tensor in tensors:
+        if type(tensor) is not _Tensor or numel is not None and tensor.numel() != numel:
+            return False
+        if dtype is not None and tensor.dtype != dtype:
+            return False
+        if not (info.serves_cpu if tensor.is_cpu else info.serves_cuda if tensor.is_cuda
+                else tensor.device.type in info.device_types):
+            return False
+    return True
+
+
+def _recall(group: Optional[dist.ProcessGroup]) -> Optional[_GroupInfo]:
+    """A group comm already knows, made the memo; None for one it has not resolved yet."""
+    pg = _world._default_pg if group is None else group
+    if not isinstance(pg, dist.ProcessGroup):
+        return None
+    info: Optional[_GroupInfo] = _GROUP_INFO.get(pg)
+    if info is not None:
+        _remember(pg, info)
+    return info
+
+
+def slow_path(name: str, group: Optional[dist.ProcessGroup], run: Callable[..., Any], *args: Any) -> Any:
+    """Take the slow path: count the call, resolve the group (made the memo), then ``run(pg, info, *args)``.
+
+    When this rank is not in the group torch warns and returns None without
+    communicating; so does comm, in torch's words, without calling ``run``.
+    """
+    pg = member_group(group)
+    if pg is None:
+        world = dist.GroupMember.WORLD
+        warnings.warn(f"Running {name} on global rank {-1 if world is None else world.rank()} which does not "
+                      "belong to the given group.", stacklevel=3)
+        return None
+    count_call(name)
+    info = _group_info(pg)
+    if _last[0]() is not pg:
+        _remember(pg, info)
+    return run(pg, info, *args)
+
+
+def _remember(pg: dist.ProcessGroup, info: _GroupInfo) -> None:
+    global _last
+    _last = (weakref.ref(pg, _forget), info)
+
+
+def served(info: _GroupInfo, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the group serves every one of ``tensors`` where it lies."""
+    return all(device_type(t) in info.device_types for t in tensors)
+
+
+def fast_root(info: _GroupInfo, rank: Any) -> Optional[int]:
+    """The group rank of the global rank ``rank`` when it is a valid root, else None (the slow path says why)."""
+    return info.group_ranks.get(rank) if type(rank) is int else None

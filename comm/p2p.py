@@ -1,0 +1,215 @@
+"""Point-to-point: send, recv and their batches, on whatever device each side's tensor lives.
+
+Each rank stages its own side: a CPU tensor sent over an hccl group is copied onto
+the NPU and sent from there, and the peer receives into whatever tensor it
+passed (an NPU tensor directly, a CPU tensor through a buffer written back after
+the receive). So a CPU tensor sent to a rank that receives into an NPU tensor,
+and the reverse, both work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from comm.arguments import check_peer, check_tensor
+from comm.backend import _GroupInfo
+from comm.fastpath import fast_group, served, slow_path
+from comm.observability import call_counter
+from comm.staging import Staging
+from comm.work import DeferredWork
+
+__all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
+
+# torch's own functions, captured at import so that comm.patch() cannot make the
+# wrappers call themselves.
+_TORCH = types.SimpleNamespace(**{name: getattr(dist, name) for name in __all__ if name != "P2POp"})
+_COUNT = types.SimpleNamespace(**{name: call_counter(name) for name in __all__ if name != "P2POp"})
+
+Work = Any  # torch's work object, or comm's DeferredWork
+
+
+def send(tensor: torch.Tensor, dst: Optional[int] = None, group: Optional[dist.ProcessGroup] = None, tag: int = 0,
+         group_dst: Optional[int] = None) -> None:
+    """Send ``tensor`` to ``dst`` (a global rank) or ``group_dst`` and wait, as torch does."""
+    if _fast_peer(group, tensor, dst, group_dst):
+        _COUNT.send()
+        _TORCH.send(tensor, dst, group, tag)
+        return None
+    slow_path("send", group, _send, tensor, dst, tag, group_dst, False)
+    return None
+
+
+def isend(tensor: torch.Tensor, dst: Optional[int] = None, group: Optional[dist.ProcessGroup] = None, tag: int = 0,
+          group_dst: Optional[int] = None) -> Optional[Work]:
+    """Start sending ``tensor`` to ``dst`` or ``group_dst``; return the work handle, as torch does."""
+    if _fast_peer(group, tensor, dst, group_dst):
+        _COUNT.isend()
+        return _TORCH.isend(tensor, dst, group, tag)
+    return slow_path("isend", group, _send, tensor, dst, tag, group_dst, True)
+
+
+def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.ProcessGroup] = None, tag: int = 0,
+         group_src: Optional[int] = None) -> int:
+    """Receive into ``tensor`` from ``src`` (any source when None); return the sender's global rank, as torch does."""
+    if _fast_peer(group, tensor, src, group_src, any_source=True):
+        _COUNT.recv()
+        sender: int = _TORCH.recv(tensor, src, group, tag)
+        return sender
+    started = slow_path("recv", group, _start_recv, tensor, src, tag, group_src)
+    if started is None:  # this rank is not in the group: torch's answer
+        return -1
+    handle, pg, src_global = started
+    handle.wait()
+    return src_global if src_global is not None else dist.get_global_rank(pg, handle._source_rank())
+
+
+def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.ProcessGroup] = None, tag: int = 0,
+          group_src: Optional[int] = None) -> Optional[Work]:
+    """Start receiving into ``tensor`` from ``src`` (any source when None); return the work handle, as torch does."""
+    if _fast_peer(group, tensor, src, group_src, any_source=True):
+        _COUNT.irecv()
+        return _TORCH.irecv(tensor, src, group, tag)
+    started = slow_path("irecv", group, _start_recv, tensor, src, tag, group_src)
+    return None if started is None else started[0]
+
+
+class P2POp(dist.P2POp):
+    """torch's ``P2POp``, which also accepts ``comm.isend`` and ``comm.irecv`` as its ``op``.
+
+    Either class goes to :func:`batch_isend_irecv` (comm's or, under
+    ``comm.patch()``, torch's).
+    """
+
+    def __new__(cls, op: Callable[..., Any], tensor: torch.Tensor, peer: Optional[int] = None,
+                group: Optional[dist.ProcessGroup] = None, tag: int = 0, group_peer: Optional[int] = None) -> "P2POp":
+        _direction(op, "op")
+        check_tensor(tensor, "tensor")
+        return object.__new__(cls)
+
+
+def batch_isend_irecv(p2p_op_list: List[dist.P2POp]) -> List[Work]:
+    """Start every send and receive of ``p2p_op_list`` as one batch; return their work handles, as torch does.
+
+    Where torch coalesces the batch into fewer works (NCCL), each handle comm
+    returns waits for the whole batch and writes back every staged receive.
+    """
+    ops = _check_ops(p2p_op_list)
+    works: Optional[List[Work]] = slow_path("batch_isend_irecv", ops[0].group, _batch, ops)
+    return [] if works is None else works  # not in the group: torch starts nothing either
+
+
+def _batch(pg: dist.ProcessGroup, info: _GroupInfo, ops: List[dist.P2POp]) -> List[Work]:
+    if served(info, [op.tensor for op in ops]):
+        return list(_TORCH.batch_isend_irecv([_for_torch(op, op.tensor) for op in ops]))
+    stagings = [Staging("batch_isend_irecv", pg, info) for _ in ops]
+    with contextlib.ExitStack() as stack:
+        for staging in stagings:
+            stack.enter_context(staging)
+        staged = [_for_torch(op, _staged_tensor(op, staging)) for op, staging in zip(ops, stagings)]
+        works = list(_TORCH.batch_isend_irecv(staged))
+        if len(works) == len(ops):
+            for staging, work in zip(stagings, works):
+                staging.issue(work)
+            return [staging.handle() for staging in stagings]
+        for staging in stagings:
+            for work in works:
+                staging.issue(work)
+        return [_whole_batch(works, [staging.handle() for staging in stagings])] * len(works)
+
+
+def _whole_batch(works: List[Any], handles: List[DeferredWork]) -> DeferredWork:
+    """One handle for a batch torch coalesced into fewer works: it writes back every staged receive."""
+
+    def write_all() -> None:
+        for handle in handles:
+            handle.wait()
+
+    return DeferredWork(works, write_all, [], lambda: "")
+
+
+def _fast_peer(group: Optional[dist.ProcessGroup], tensor: Any, peer: Any, group_peer: Optional[int],
+               any_source: bool = False) -> bool:
+    """Whether torch can take this point-to-point call as it is: served tensor, valid peer other than this rank."""
+    info = fast_group(group, tensor)
+    if info is None or group_peer is not None:
+        return False
+    if peer is None:
+        return any_source
+    return type(peer) is int and info.group_ranks.get(peer, info.rank) != info.rank
+
+
+def _send(pg: dist.ProcessGroup, info: _GroupInfo, tensor: torch.Tensor, dst: Optional[int], tag: int,
+          group_dst: Optional[int], async_op: bool) -> Optional[Work]:
+    check_tensor(tensor, "tensor")
+    _, dst_global = check_peer(pg, dst, group_dst, "dst")
+    if served(info, [tensor]):
+        return _TORCH.isend(tensor, dst_global, pg, tag) if async_op else _TORCH.send(tensor, dst_global, pg, tag)
+    with Staging("isend" if async_op else "send", pg, info) as staging:
+        staging.issue(_TORCH.isend(staging.send(tensor), dst_global, pg, tag))
+        return staging.finish(async_op)
+
+
+def _start_recv(pg: dist.ProcessGroup, info: _GroupInfo, tensor: torch.Tensor, src: Optional[int], tag: int,
+                group_src: Optional[int]) -> Tuple[Work, dist.ProcessGroup, Optional[int]]:
+    """Start a receive (staged where the group does not serve ``tensor``): its work, the group and the source."""
+    check_tensor(tensor, "tensor")
+    src_global = None if src is None and group_src is None else check_peer(pg, src, group_src, "src")[1]
+    if served(info, [tensor]):
+        return _TORCH.irecv(tensor, src_global, pg, tag), pg, src_global
+    with Staging("recv", pg, info) as staging:
+        staging.issue(_TORCH.irecv(staging.receive(tensor), src_global, pg, tag))
+        return staging.handle(), pg, src_global
+
+
+def _direction(op: Any, name: str) -> str:
+    """"send" or "recv" for torch's isend/irecv, comm's, or a ``comm.patch()`` stand-in of either.
+
+    Its error keeps torch's type and opening words (``Invalid ``op```` ), which
+    code written against torch may match.
+    """
+    original = getattr(op, "__comm_replaces__", op)
+    if original is _TORCH.isend or op is isend:
+        return "send"
+    if original is _TORCH.irecv or op is irecv:
+        return "recv"
+    raise ValueError(f"Invalid ``op``: {name} must be torch.distributed.isend or irecv (or comm's), got {op!r}")
+
+
+def _check_ops(p2p_op_list: Any) -> List[dist.P2POp]:
+    """Refuse what is not a non-empty list of P2POps on one group, with torch's exception type and opening words."""
+    if not isinstance(p2p_op_list, list) or not p2p_op_list:
+        raise ValueError(f"Invalid ``p2p_op_list``: expected a non-empty list of P2POp, got {p2p_op_list!r}")
+    for i, op in enumerate(p2p_op_list):
+        if not isinstance(op, dist.P2POp):
+            raise ValueError(f"Invalid ``p2p_op_list``: p2p_op_list[{i}] must be a torch.distributed.P2POp, "
+                             f"got {type(op).__name__}")
+        _direction(op.op, f"p2p_op_list[{i}].op")
+        check_tensor(op.tensor, f"p2p_op_list[{i}].tensor")
+        if op.group != p2p_op_list[0].group:
+            raise ValueError(f"All ops need to use the same group: p2p_op_list[{i}] is on another group than "
+                             "p2p_op_list[0]")
+    return p2p_op_list
+
+
+def _staged_tensor(op: dist.P2POp, staging: Staging) -> torch.Tensor:
+    """What ``op`` sends or receives into, on a device the group serves."""
+    return staging.send(op.tensor) if _direction(op.op, "op") == "send" else staging.receive(op.tensor)
+
+
+def _for_torch(op: dist.P2POp, tensor: torch.Tensor) -> dist.P2POp:
+    """``op`` on ``tensor``, built with the isend/irecv that torch's batch compares ``op.op`` against.
+
+    torch picks the peer's keyword by ``op.op is isend`` (its module's current
+    function: a stand-in under ``comm.patch()``), so an op built with comm's or
+    torch's original function is rebuilt.
+    """
+    current = c10d.isend if _direction(op.op, "op") == "send" else c10d.irecv
+    if op.op is current and tensor is op.tensor:
+        return op
+    return dist.P2POp(current, tensor, op.peer, op.group, op.tag)

@@ -1,0 +1,93 @@
+"""The work handle of a staged call: waiting on it also writes the results back."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """Attach ``note`` to ``error`` (shown in the traceback from Python 3.11)."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", []), note]
+
+
+class DeferredWork:
+    """The work handle of a collective ``comm`` must finish: copy back, divide for AVG.
+
+    Behaves like torch's work object: ``wait()`` waits and then writes the results
+    into the caller's tensors; ``is_completed()`` is True only once they are
+    there; ``get_future()`` completes after the write-back.
+
+    It must hold no reference to the process group: ``get_future()``'s callback
+    runs on a backend thread, and if that thread dropped the group's last
+    reference, the group's destructor would join the thread it runs on (gloo
+    aborts with "Resource deadlock avoided").
+    """
+
+    def __init__(self, works: Sequence[Any], finish: Callable[[], None], outputs: List[torch.Tensor],
+                 note: Callable[[], str]) -> None:
+        self._works = list(works)
+        self._finish = finish
+        self._outputs = outputs
+        self._note = note
+        self._lock = threading.Lock()
+        self._finished = False
+
+    def wait(self, timeout: Optional[Any] = None) -> bool:
+        try:
+            for work in self._works:
+                work.wait() if timeout is None else work.wait(timeout)
+        except BaseException as error:
+            note = self._note()
+            if note:
+                add_note(error, note)
+            raise
+        self._finish_once()
+        return True
+
+    def is_completed(self) -> bool:
+        if not all(work.is_completed() for work in self._works):
+            return False
+        if all(work.is_success() for work in self._works):
+            self._finish_once()
+        return True
+
+    def is_success(self) -> bool:
+        return self.is_completed() and all(work.is_success() for work in self._works)
+
+    def exception(self) -> Optional[BaseException]:
+        for work in self._works:
+            error: Optional[BaseException] = work.exception()
+            if error is not None:
+                return error
+        return None
+
+    def result(self) -> List[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future[List[torch.Tensor]]:
+        inner = torch.futures.collect_all([work.get_future() for work in self._works])
+        return inner.then(self._finish_future)
+
+    def _source_rank(self) -> int:
+        """The sender of a receive from any source (``irecv`` with ``src=None``), as torch's work says."""
+        source: int = self._works[0]._source_rank()
+        return source
+
+    def _finish_future(self, done: torch.futures.Future[List[torch.futures.Future[Any]]]) -> List[torch.Tensor]:
+        for future in done.value():
+            future.value()  # re-raises the collective's error
+        self._finish_once()
+        return self._outputs
+
+    def _finish_once(self) -> None:
+        with self._lock:
+            if not self._finished:
+                self._finish()
+                self._finished = True
