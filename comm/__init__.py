@@ -1,7 +1,8 @@
 """comm: torch.distributed collectives that run on whatever accelerator a job has.
 
-Device binding (:mod:`comm.device`), backend resolution (:mod:`comm.backend`),
-staging of tensors onto a device the group's backend serves (:mod:`comm.staging`),
+How this process was launched (:mod:`comm.launch`), device binding
+(:mod:`comm.device`), backend resolution (:mod:`comm.backend`), staging of tensors
+onto a device the group's backend serves (:mod:`comm.staging`),
 the collectives (:mod:`comm.collectives`), gradient norms (:mod:`comm.norm`),
 counters (:mod:`comm.observability`) and the drop-in mode (:mod:`comm.patch`).
 """
@@ -19,12 +20,14 @@ from comm.collectives import (
     reduce_scatter_tensor,
 )
 from comm.device import accelerator_type, bind, current_device, empty_cache
+from comm.launch import LaunchInfo, launch_info
 from comm.norm import clip_grad_norm_, total_norm
 from comm.observability import reset_stats, stats
 from comm.patch import is_patched, patch, patched, unpatch
 from comm.staging import staging_device
 
 __all__ = [
+    "LaunchInfo",
     "accelerator_type",
     "all_gather",
     "all_gather_into_tensor",
@@ -39,6 +42,7 @@ __all__ = [
     "empty_cache",
     "init_process_group",
     "is_patched",
+    "launch_info",
     "patch",
     "patched",
     "reduce",
