@@ -1,13 +1,15 @@
-"""comm.launch: which launcher started this process, read from its variables."""
+"""comm.launch: which launcher started this process, and binding under it."""
 
 import dataclasses
+import re
 
 import pytest
+import torch
 
 import comm
 from comm.launch import _expand_hostlist
 
-from multiproc import launched_by
+from multiproc import NPU, launched_by, run_ranks
 
 
 def _srun(procid, ntasks, localid, nodeid, per_node, nodelist="node[01-02]", job_id="4242", **extra):
@@ -198,3 +200,84 @@ def test_a_malformed_variable_is_a_value_error_naming_it(launched, variable, env
     launched(env)
     with pytest.raises(ValueError, match=rf"^{variable}[= ].*expected"):
         comm.launch_info()
+
+
+# (name, environment, the device index bind() must pick on 8 devices)
+BINDINGS = [
+    ("torchrun", _torchrun(3, 8, 3, 8, 0), 3),
+    ("torchrun's LOCAL_RANK alone", {"LOCAL_RANK": "2"}, 2),
+    ("srun", _srun(11, 16, 3, 1, "8(x2)"), 3),
+    ("OpenMPI", _openmpi(3, 8, 3, 8), 3),
+    ("MVAPICH2", _mvapich2(13, 16, 5, 8), 5),
+    ("MPICH or Intel MPI", _hydra(6, 8, 6, 8), 6),
+    ("jsrun", _jsrun(7, 8, 7, 8), 7),
+    ("mpirun inside a SLURM allocation", {**_srun(0, 2, 0, 0, "1(x2)"), **_openmpi(4, 8, 4, 8)}, 4),
+    ("srun --pty bash", _srun(3, 4, 3, 0, "4", SLURM_PTY_PORT="34889"), 0),
+]
+
+
+def _bind_under_launchers(rank, world_size, cases):
+    seen = {}
+    for name, env, _ in cases:
+        launched_by(env)
+        seen[name] = (str(comm.bind()), torch.npu.current_device())
+    launched_by(_srun(11, 16, 3, 1, "8(x2)"))
+    seen["explicit"] = (str(comm.bind(5)), torch.npu.current_device())
+    errors = {}
+    for name, env in [("srun", _srun(10, 32, 10, 0, "16(x2)")), ("openmpi", _openmpi(9, 12, 9, 12))]:
+        launched_by(env)
+        with pytest.raises(ValueError) as error:
+            comm.bind()
+        errors[name] = str(error.value)
+    return seen, errors
+
+
+def test_bind_under_each_launcher_on_the_simulated_npu():
+    [(seen, errors)] = run_ranks(_bind_under_launchers, 1, backend=None, simulate=NPU, args=(BINDINGS,))
+    for name, _, index in BINDINGS:
+        assert seen[name] == (f"npu:{index}", index), name
+    assert seen["explicit"] == ("npu:5", 5)  # an explicit local rank wins over the launcher's
+    assert re.search(r"local_rank 10 is out of range: this process sees 8 npu.*SLURM_LOCALID under launcher 'srun'",
+                     errors["srun"])
+    assert re.search(r"local_rank 9 .* sees 8 npu.*OMPI_COMM_WORLD_LOCAL_RANK under launcher 'openmpi'",
+                     errors["openmpi"])
+
+
+def _bind_with_one_device(rank, world_size):
+    seen = {}
+    for name, env in [("srun", _srun(11, 16, 3, 1, "8(x2)")), ("openmpi", _openmpi(13, 16, 5, 8)),
+                      ("torchrun", _torchrun(7, 8, 7, 8, 0))]:
+        launched_by(env)
+        seen[name] = (str(comm.bind()), torch.npu.current_device())
+    seen["explicit"] = (str(comm.bind(2)), torch.npu.current_device())
+    return seen
+
+
+def test_a_rank_that_sees_one_device_binds_index_0():
+    [seen] = run_ranks(_bind_with_one_device, 1, backend=None, simulate={**NPU, "device_count": 1})
+    assert seen == {name: ("npu:0", 0) for name in ("srun", "openmpi", "torchrun", "explicit")}
+
+
+@pytest.mark.parametrize("visible, expected", [(None, 3), ("5", 0), ("GPU-5a1b", 0), ("0,1,2,3,4,5,6,7", 3),
+                                               ("4,5", "sees 2 cuda device")])
+def test_cuda_visible_devices_counts_as_torch_counts_it(launched, monkeypatch, request, visible, expected):
+    # A CUDA build's C probes cannot run here; everything above them (torch.cuda's own
+    # reading of CUDA_VISIBLE_DEVICES) is torch's code.
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: 8, raising=False)  # the runtime's count
+    monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: 8)  # NVML's count of the machine's GPUs
+    monkeypatch.setattr(torch.cuda, "_raw_device_uuid_nvml", lambda: [f"GPU-{i}a1b2c3" for i in range(8)])
+    bound = []
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", bound.append, raising=False)
+    forget_count = getattr(torch.cuda.device_count, "cache_clear", lambda: None)  # torch < 2.4 caches it
+    forget_count()
+    request.addfinalizer(forget_count)
+    monkeypatch.setenv("COMM_DEVICE", "cuda")
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    launched(_srun(11, 16, 3, 1, "8(x2)"))
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=f"local_rank 3 is out of range: this process {expected}.*'srun'"):
+            comm.bind()
+        assert bound == []
+    else:
+        assert (comm.bind(), bound) == (torch.device("cuda", expected), [expected])
