@@ -1,7 +1,10 @@
-"""comm.launch: which launcher started this process, and binding under it."""
+"""comm.launch: which launcher started this process, binding under it, and rendezvous without torchrun."""
 
 import dataclasses
+import json
+import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ import torch
 import comm
 from comm.launch import _expand_hostlist
 
-from multiproc import NPU, launched_by, run_ranks
+from multiproc import NPU, free_port, launched_by, port_is_free, run_launched, run_ranks, skip_unless_simulation
 
 
 def _srun(procid, ntasks, localid, nodeid, per_node, nodelist="node[01-02]", job_id="4242", **extra):
@@ -281,3 +284,37 @@ def test_cuda_visible_devices_counts_as_torch_counts_it(launched, monkeypatch, r
         assert bound == []
     else:
         assert (comm.bind(), bound) == (torch.device("cuda", expected), [expected])
+
+
+LAUNCHED_RANK = str(Path(__file__).with_name("launched_rank.py"))
+
+
+def _free_job_port():
+    """A SLURM job id whose derived port (15000 + id % 10000) is free here."""
+    for _ in range(100):
+        port = random.randrange(15000, 25000)
+        if port_is_free(port):
+            return 5_000_000 + port - 15000, port
+    pytest.skip("no free port in 15000-24999")
+
+
+def test_two_ranks_started_by_srun_alone():
+    skip_unless_simulation()
+    job_id, port = _free_job_port()
+    envs = [_srun(rank, 2, rank, 0, "2", nodelist="127.0.0.[1]", job_id=str(job_id)) for rank in range(2)]
+    results = [json.loads(out) for out in run_launched(LAUNCHED_RANK, envs)]
+    for rank, seen in enumerate(results):
+        assert seen == {"launcher": "srun", "rank": rank, "world_size": 2, "master_addr": "127.0.0.1",
+                        "master_port": port, "device": f"npu:{rank}", "current_index": rank, "backend": "hccl",
+                        "sum": 3.0, "torchrun_variables": []}
+
+
+def test_two_ranks_started_by_openmpi_with_master_address():
+    skip_unless_simulation()
+    master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    envs = [{**_openmpi(rank, 2, rank, 2), **master} for rank in range(2)]
+    results = [json.loads(out) for out in run_launched(LAUNCHED_RANK, envs)]
+    for rank, seen in enumerate(results):
+        assert seen == {"launcher": "openmpi", "rank": rank, "world_size": 2, "master_addr": "127.0.0.1",
+                        "master_port": int(master["MASTER_PORT"]), "device": f"npu:{rank}", "current_index": rank,
+                        "backend": "hccl", "sum": 3.0, "torchrun_variables": ["MASTER_ADDR"]}
