@@ -1,9 +1,10 @@
 """comm: torch.distributed collectives that run on whatever accelerator a job has.
 
-Device binding (:mod:`comm.device`), backend resolution (:mod:`comm.backend`),
-staging of tensors onto a device the group's backend serves (:mod:`comm.staging`),
-the collectives (:mod:`comm.collectives`, :mod:`comm.exchange`) and point-to-point
-calls (:mod:`comm.p2p`) with their fast path (:mod:`comm.fastpath`), gradient norms (:mod:`comm.norm`),
+How this process was launched (:mod:`comm.launch`), device binding
+(:mod:`comm.device`), backend resolution (:mod:`comm.backend`), staging of tensors
+onto a device the group's backend serves (:mod:`comm.staging`), the collectives
+(:mod:`comm.collectives`, :mod:`comm.exchange`) and point-to-point calls
+(:mod:`comm.p2p`) with their fast path (:mod:`comm.fastpath`), gradient norms (:mod:`comm.norm`),
 counters (:mod:`comm.observability`) and the drop-in mode (:mod:`comm.patch`).
 """
 
@@ -23,6 +24,7 @@ from comm.collectives import (
 )
 from comm.device import accelerator_type, bind, current_device, empty_cache
 from comm.exchange import all_to_all, all_to_all_single, gather, scatter
+from comm.launch import LaunchInfo, launch_info
 from comm.norm import clip_grad_norm_, total_norm
 from comm.observability import reset_stats, stats
 from comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
@@ -30,6 +32,7 @@ from comm.patch import is_patched, patch, patched, unpatch
 from comm.staging import staging_device
 
 __all__ = [
+    "LaunchInfo",
     "P2POp",
     "accelerator_type",
     "all_gather",
@@ -52,6 +55,7 @@ __all__ = [
     "irecv",
     "isend",
     "is_patched",
+    "launch_info",
     "patch",
     "patched",
     "recv",

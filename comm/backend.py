@@ -16,8 +16,10 @@ from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed import HashStore  # type: ignore[attr-defined]  # not in torch.distributed.__all__
 
 from comm.device import accelerator_type, bind
+from comm.launch import LaunchInfo, launch_info
 
 __all__ = ["default_backend", "device_types", "init_process_group"]
 
@@ -108,9 +110,14 @@ def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> torch.de
     Calls :func:`torch.distributed.init_process_group` with :func:`default_backend`
     unless ``backend`` is given (an explicit backend always wins), and binds the
     group to the device (``device_id``) where torch and the backend support it.
+    Under srun, mpirun or jsrun the rank, world size and rendezvous address come
+    from :func:`comm.launch_info`; a single process gets a group of one. What the
+    caller passes (``rank``, ``world_size``, ``store``, ``init_method``) wins, and
+    under torchrun torch reads its own variables.
     """
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a backend name such as 'nccl' or 'cpu:gloo,cuda:nccl', got {backend!r}")
+    rendezvous = _rendezvous(launch_info(), kwargs)
     device = bind()
     if backend is None:
         backend = default_backend(device.type)
@@ -121,8 +128,36 @@ def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> torch.de
         and device.type in _backend_string_device_types(backend)
     ):
         kwargs["device_id"] = device
-    dist.init_process_group(backend=backend, **kwargs)
+    dist.init_process_group(backend=backend, **rendezvous, **kwargs)
     return device
+
+
+def _rendezvous(info: LaunchInfo, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """What torch needs to meet the other ranks of this launch that the caller did not pass."""
+    if info.launcher == "torchrun":
+        return {}  # torch's env:// reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself
+    added: Dict[str, Any] = {key: value for key, value in (("rank", info.rank), ("world_size", info.world_size))
+                             if key not in kwargs}
+    if "store" in kwargs or "init_method" in kwargs:
+        return added
+    if info.launcher == "single":
+        if kwargs.get("world_size", 1) == 1:
+            added["store"] = HashStore()  # a group of one meets no one
+        return added
+    if info.master_addr is None or info.master_port is None:
+        raise ValueError(_missing_rendezvous(info))
+    host = f"[{info.master_addr}]" if ":" in info.master_addr else info.master_addr
+    added["init_method"] = f"tcp://{host}:{info.master_port}"
+    return added
+
+
+def _missing_rendezvous(info: LaunchInfo) -> str:
+    missing = [name for name, value in (("MASTER_ADDR", info.master_addr), ("MASTER_PORT", info.master_port))
+               if value is None]
+    verb = "are" if len(missing) > 1 else "is"
+    return (f"{' and '.join(missing)} {verb} not set, so comm cannot tell where rank 0 of this {info.launcher} "
+            "launch listens; expected MASTER_ADDR (the host name or address of rank 0's node) and MASTER_PORT "
+            "(a free port there) in every rank's environment, or init_method= or store= passed")
 
 
 def _accepts_device_id() -> bool:

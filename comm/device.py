@@ -11,9 +11,11 @@ import contextlib
 import importlib.util
 import os
 from types import ModuleType
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Tuple, Union
 
 import torch
+
+from comm.launch import launch_info
 
 __all__ = ["accelerator_type", "bind", "current_device", "device_count", "empty_cache"]
 
@@ -106,39 +108,47 @@ def device_count(device_type: Optional[str] = None) -> int:
 
 
 def bind(local_rank: Optional[int] = None) -> torch.device:
-    """Bind this process to device ``local_rank`` of its accelerator and return it.
+    """Bind this process to the device of ``local_rank`` on its accelerator and return it.
 
-    ``local_rank`` defaults to ``LOCAL_RANK`` from the environment (set by torchrun),
-    else 0. On a CPU-only process this returns ``torch.device("cpu")`` and binds
-    nothing, so the same line works on every machine.
+    ``local_rank`` defaults to the local rank of the launcher that started this
+    process (:func:`comm.launch_info`: torchrun, srun, mpirun, jsrun), else 0. A
+    process that sees exactly one device binds it, index 0, whatever its local rank:
+    that is how ``--gpus-per-task=1`` and ``CUDA_VISIBLE_DEVICES`` /
+    ``ASCEND_RT_VISIBLE_DEVICES`` give each rank its own device. On a CPU-only
+    process this returns ``torch.device("cpu")`` and binds nothing, so the same line
+    works on every machine.
     """
     device_type = accelerator_type()
-    local_rank = _resolve_local_rank(local_rank)
+    local_rank, origin = _resolve_local_rank(local_rank)
     if device_type == "cpu":
         return torch.device("cpu")
-    count = device_count(device_type)
-    if local_rank >= count:
-        raise ValueError(
-            f"local_rank {local_rank} is out of range: this process sees {count} "
-            f"{device_type} device(s), expected 0 <= local_rank < {count}"
-        )
+    index = _device_index(local_rank, device_count(device_type), device_type, origin)
     if device_type == "mps":
         return torch.device("mps")
-    _set_device_index(device_type, local_rank)
-    return torch.device(device_type, local_rank)
+    _set_device_index(device_type, index)
+    return torch.device(device_type, index)
 
 
-def _resolve_local_rank(local_rank: Optional[int]) -> int:
+def _resolve_local_rank(local_rank: Optional[int]) -> Tuple[int, str]:
+    """The local rank to bind and where it came from, for error messages."""
     if local_rank is None:
-        raw = os.environ.get("LOCAL_RANK", "0")
-        try:
-            local_rank = int(raw)
-        except ValueError:
-            raise ValueError(
-                f"LOCAL_RANK={raw!r} is not an integer; expected a non-negative integer"
-            ) from None
+        info = launch_info()
+        return info.local_rank, f"{info.sources['local_rank']} under launcher {info.launcher!r}"
     if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
         raise ValueError(f"local_rank must be a non-negative int, got {local_rank!r}")
+    return local_rank, "passed to bind()"
+
+
+def _device_index(local_rank: int, count: int, device_type: str, origin: str) -> int:
+    """The device index of a local rank: the rank itself, or 0 when the process sees one device."""
+    if count == 1:
+        return 0
+    if local_rank >= count:
+        raise ValueError(
+            f"local_rank {local_rank} is out of range: this process sees {count} {device_type} device(s), "
+            f"expected 0 <= local_rank < {count} (local rank {local_rank} from {origin}); start at most "
+            f"{count} ranks per node, or give each rank one visible device"
+        )
     return local_rank
 
 

@@ -3,6 +3,9 @@
 Ranks are forked from a forkserver that has already imported torch, so a scenario
 costs one fork per rank rather than one interpreter start. Rendezvous is a
 FileStore in a fresh temporary directory: no ports, safe under pytest-xdist.
+
+``run_launched`` starts plain interpreters instead, with an environment as a launcher
+(srun, mpirun) builds it: for rendezvous that comm must find on its own.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ import os
 import pickle
 import queue
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set
 
 import pytest
 
@@ -187,3 +193,74 @@ def file_store(world_size: int, name: str = "") -> Any:
     import torch.distributed as dist
 
     return dist.FileStore(os.environ[STORE_ENV] + name, world_size)
+
+
+# Variables through which a launcher tells a process who it is (comm.launch reads them).
+_LAUNCHER_NAMES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                             "MASTER_PORT"})
+_LAUNCHER_PREFIXES = ("TORCHELASTIC_", "SLURM_", "OMPI_", "MV2_", "PMI_", "MPI_LOCAL", "JSM_", "LSB_")
+
+
+def is_launcher_variable(name: str) -> bool:
+    """Whether ``name`` is a variable that torchrun, srun, an MPI or jsrun sets for its processes."""
+    return name in _LAUNCHER_NAMES or name.startswith(_LAUNCHER_PREFIXES)
+
+
+def launched_by(env: Mapping[str, str], monkeypatch: Any = None) -> None:
+    """Make this process's launcher variables exactly ``env``'s (through ``monkeypatch`` when given)."""
+    for name in [name for name in os.environ if is_launcher_variable(name)]:
+        if monkeypatch is None:
+            del os.environ[name]
+        else:
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        if monkeypatch is None:
+            os.environ[name] = value
+        else:
+            monkeypatch.setenv(name, value)
+
+
+def without_launcher(env: Mapping[str, str]) -> Dict[str, str]:
+    """``env`` without any launcher's variables: a process started by hand."""
+    return {name: value for name, value in env.items() if not is_launcher_variable(name)}
+
+
+def free_port() -> int:
+    """A TCP port nothing on this host listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def run_launched(script: str, rank_envs: Sequence[Mapping[str, str]], timeout: float = 120.0) -> List[str]:
+    """Run ``python script`` once per entry of ``rank_envs``, as a launcher would; return each stdout.
+
+    Each process gets this process's environment without any launcher's variables,
+    plus its entry of ``rank_envs``: nothing else tells it who it is. Any non-zero
+    exit fails the call with every process's stderr.
+    """
+    base = {**without_launcher(os.environ), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    processes = [subprocess.Popen([sys.executable, script], env={**base, **rank_env}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for rank_env in rank_envs]
+    outputs = []
+    for process in processes:
+        try:
+            outputs.append(process.communicate(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()  # a rank that waits for a dead or missing peer would wait for the group timeout
+            outputs.append(process.communicate())
+    if any(process.returncode for process in processes):
+        detail = "\n".join(f"--- process {i} (exit {p.returncode}) ---\n{err}"
+                           for i, (p, (_, err)) in enumerate(zip(processes, outputs)))
+        raise AssertionError(f"launched processes failed (timeout {timeout}s):\n{detail}")
+    return [stdout for stdout, _ in outputs]

@@ -11,6 +11,8 @@ import torch.distributed as dist
 import comm
 import comm.testing
 
+from multiproc import launched_by
+
 
 @pytest.fixture(scope="module")
 def one_rank_group(tmp_path_factory):
@@ -29,6 +31,17 @@ def _param():
 def _env(monkeypatch, name, value, call):
     monkeypatch.setenv(name, value)
     return call()
+
+
+def _launched(monkeypatch, env, call):
+    launched_by(env, monkeypatch)
+    return call()
+
+
+_SRUN_PROCID_X = {"SLURM_PROCID": "x", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0",
+                  "SLURM_STEP_TASKS_PER_NODE": "2"}
+_OPENMPI_RANK_1 = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                   "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
 
 
 CASES = [
@@ -86,6 +99,13 @@ CASES = [
     ("bind string", lambda t, m: comm.bind("0"), ValueError, "local_rank must be a non-negative int, got '0'"),
     ("LOCAL_RANK=abc", lambda t, m: _env(m, "LOCAL_RANK", "abc", comm.bind), ValueError,
      "LOCAL_RANK='abc' is not an integer; expected a non-negative integer"),
+    ("SLURM_PROCID=x", lambda t, m: _launched(m, _SRUN_PROCID_X, comm.bind),
+     ValueError, "SLURM_PROCID='x' is not an integer; expected a non-negative integer"),
+    ("RANK=2 of WORLD_SIZE=2", lambda t, m: _launched(m, {"RANK": "2", "WORLD_SIZE": "2"}, comm.launch_info),
+     ValueError, "RANK=2 is out of range; expected RANK < WORLD_SIZE=2"),
+    ("mpirun without MASTER_ADDR", lambda t, m: _launched(m, _OPENMPI_RANK_1, comm.init_process_group), ValueError,
+     "MASTER_ADDR and MASTER_PORT are not set, so comm cannot tell where rank 0 of this openmpi launch listens; "
+     "expected MASTER_ADDR"),
     ("COMM_DEVICE=tpu", lambda t, m: _env(m, "COMM_DEVICE", "tpu", comm.accelerator_type), ValueError,
      "COMM_DEVICE='tpu' names a device type that is not available.*expected 'cpu' or an available accelerator"),
     ("COMM_PATCH=maybe", lambda t, m: _env(m, "COMM_PATCH", "maybe", comm._patch_if_asked), ValueError,

@@ -1,5 +1,6 @@
 """comm.collectives: torch's results on every device, staging where the backend needs it."""
 
+import functools
 import logging
 import time
 
@@ -145,7 +146,7 @@ def _cpu_tensors_on_simulated_hccl(rank, world_size):
     group = dist.group.WORLD
     differences = []
     for name, call, make in _wrapper_calls(rank, group):
-        unpatched = _torch_says(lambda: call(dist, make(torch.float32, True), False))
+        unpatched = _torch_says(functools.partial(call, dist, make(torch.float32, True), False))
         if unpatched != SEED_ERROR:
             differences.append(f"{name}: torch alone on CPU tensors says {unpatched!r}")
         for dtype in (torch.float32, torch.int64):

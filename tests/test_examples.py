@@ -2,12 +2,11 @@
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from multiproc import SEED_ERROR, skip_unless_simulation
+from multiproc import SEED_ERROR, free_port, skip_unless_simulation
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -21,16 +20,10 @@ def _torchrun(*args, timeout=240):
     return subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=timeout)
 
 
-def _free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_train_ddp_on_two_torchrun_nodes_over_loopback():
     """Two agents with a c10d rendezvous on 127.0.0.1, one simulated-NPU process each."""
     skip_unless_simulation()
-    port = _free_port()
+    port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}",
               str(EXAMPLES / "train_ddp.py"), "--simulate", "npu", "--steps", "10"]

@@ -99,17 +99,17 @@ def _matches_torch_on_gloo(rank, world_size):
                 if not _same(expected[kind], got[kind]):
                     differences.append(f"{label} {kind} {dtype}: {got[kind]} vs torch {expected[kind]}")
             # Strided tensors: torch refuses them before communicating; comm must say the same.
-            peer = dist.get_process_group_ranks(group)[0 if rank != dist.get_process_group_ranks(group)[0] else 1]
+            peer = [r for r in dist.get_process_group_ranks(group) if r != rank][0]
             for kind in ("isend", "irecv"):
-                outcomes = [_error_of(lambda: getattr(m, kind)(_data(0, dtype, False), peer, group)) for m in (dist, comm)]
+                outcomes = [_error_of(getattr(m, kind), _data(0, dtype, False), peer, group) for m in (dist, comm)]
                 if outcomes[0] != outcomes[1] or outcomes[0] is None:
                     differences.append(f"{label} strided {kind} {dtype}: torch {outcomes[0]}, comm {outcomes[1]}")
     return differences
 
 
-def _error_of(call):
+def _error_of(call, *args):
     try:
-        call()
+        call(*args)
     except (RuntimeError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
     return None
