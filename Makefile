@@ -7,7 +7,7 @@ export PYTHONWARNINGS := ignore:Failed to initialize NumPy
 export OMP_NUM_THREADS ?= 1
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc-per-node 2
 
-.PHONY: test demo bench lint gpu-check clean
+.PHONY: test demo bench lint gpu-check wheel clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -42,5 +42,10 @@ GPU_PYTHON ?= python3
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -m cuda -p no:xdist -p no:cacheprovider -s -q
 
+# The wheel in dist/; build/ goes first, or setuptools would pack files a deleted module left there.
+wheel: $(VENV)/.installed
+	rm -rf build
+	$(PY) -m pip wheel --no-deps --quiet --wheel-dir dist .
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache build dist

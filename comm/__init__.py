@@ -10,6 +10,7 @@ counters (:mod:`comm.observability`) and the drop-in mode (:mod:`comm.patch`).
 
 import os
 
+from comm._jupyter import JupyterCommWarning, warn_if_beside_jupyter
 from comm.backend import default_backend, device_types, init_process_group
 from comm.collectives import (
     all_gather,
@@ -31,7 +32,11 @@ from comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from comm.patch import is_patched, patch, patched, unpatch
 from comm.staging import staging_device
 
+# The one place the version is written: setup.cfg reads it (version = attr: comm.__version__).
+__version__ = "0.1.0"
+
 __all__ = [
+    "JupyterCommWarning",
     "LaunchInfo",
     "P2POp",
     "accelerator_type",
@@ -81,4 +86,5 @@ def _patch_if_asked() -> None:
         raise ValueError(f"COMM_PATCH={value!r} is not understood; expected 1 or 0 (true/false, yes/no, on/off)")
 
 
+warn_if_beside_jupyter()
 _patch_if_asked()
