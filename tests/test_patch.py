@@ -150,3 +150,44 @@ def test_comm_patch_environment_variable():
     assert _python(check, COMM_PATCH="0").stdout.strip() == "False"
     bad = _python(check, COMM_PATCH="maybe")
     assert bad.returncode != 0 and "COMM_PATCH='maybe' is not understood" in bad.stderr
+
+
+# PyTorch's own DistributedTest cases (torch/testing/_internal/distributed/distributed_test.py) for the
+# calls comm wraps that run on gloo: its all_to_all cases run on MPI only, its list reduce_scatter
+# cases on NCCL only, and its *_group cases need 8 ranks (tests/test_collectives.py covers those).
+TORCH_CASES = {
+    "gather": ["test_gather", "test_gather_checks", "test_gather_full_group"],
+    "scatter": ["test_scatter", "test_scatter_checks", "test_scatter_full_group"],
+    "send": ["test_send_recv", "test_send_recv_with_tag"],
+    "recv": ["test_send_recv_any_source"],
+    "isend": ["test_isend"],
+    "irecv": ["test_irecv"],
+    "batch_isend_irecv": ["test_batch_isend_irecv_gloo", "test_batch_isend_irecv_gloo_tags"],
+    "barrier": ["test_barrier", "test_barrier_full_group"],
+}
+TORCH_WORLD = 2
+
+
+@pytest.mark.parametrize("calls", [["gather", "scatter", "barrier"],
+                                   ["send", "recv", "isend", "irecv", "batch_isend_irecv"]],
+                         ids=["collectives", "point-to-point"])
+def test_torchs_own_distributed_tests_pass_patched(tmp_path, calls):
+    """torch's cases pass under COMM_PATCH=1, and in every rank comm's wrappers carried the calls."""
+    import json
+    import os
+
+    cases = [case for call in calls for case in TORCH_CASES[call]]
+    stats_dir = tmp_path / "stats"
+    stats_dir.mkdir()
+    env = {**os.environ, "COMM_PATCH": "1", "BACKEND": "gloo", "WORLD_SIZE": str(TORCH_WORLD),
+           "TEMP_DIR": str(tmp_path), "STATS_DIR": str(stats_dir), "PYTHONWARNINGS": "ignore"}
+    suite = os.path.join(os.path.dirname(__file__), "torch_suite.py")
+    run = subprocess.run([sys.executable, suite, *cases], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["ran"] == len(cases) and report["failures"] == [] and report["skipped"] == [], run.stderr[-3000:]
+    for call in calls:
+        for case in TORCH_CASES[call]:
+            ranks = [json.loads((stats_dir / f"{case}.{rank}.json").read_text()) for rank in range(TORCH_WORLD)]
+            assert all(seen["patched"] for seen in ranks), case
+            assert any(seen["stats"].get(call, {}).get("calls", 0) > 0 for seen in ranks), (case, ranks)
