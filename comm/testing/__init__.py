@@ -28,7 +28,7 @@ from typing import Any, FrozenSet, Iterable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from comm.testing import _device, _process_group
+from comm.testing import _device, _native, _process_group
 from comm.testing._device import counters, reset_counters
 
 __all__ = ["can_simulate", "counters", "offloaded", "reset_counters", "simulate_accelerator", "simulated_accelerator"]
@@ -38,14 +38,14 @@ _ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any]]] = None
 
 
 def can_simulate() -> bool:
-    """Whether this torch can host the simulated accelerator.
+    """Whether this process can build and host the simulated accelerator.
 
-    The simulation needs torch's Python PrivateUse1 hooks (``torch._C._acc``: present
-    in torch 2.13 and 2.14, absent in 2.1 and 2.6); without them
-    :func:`simulate_accelerator` raises ``RuntimeError``, and test suites can skip
-    what needs it.
+    Its core is C++, compiled on first use: it needs torch >= 2.13 with its C++
+    headers, a C++ compiler and ninja. Where any is missing this is False,
+    :func:`simulate_accelerator` raises ``RuntimeError`` saying which, and test
+    suites can skip what needs it.
     """
-    return _device.hooks_available()
+    return _native.unavailable_reason() is None
 
 
 def simulate_accelerator(
