@@ -306,6 +306,15 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
+// `param.data = tensor.to(device)` (FSDP2 moving parameters): as CUDA's dense
+// tensors do, host and device tensors may swap their data.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense = [](const at::Tensor& t) {
+    return t.layout() == c10::kStrided && (t.device().type() == c10::kCPU || t.device().type() == kDevice);
+  };
+  return dense(self) && dense(from);
+}
+
 // ---- the fallback -------------------------------------------------------------
 
 // Operators that take tensors on two devices: CPU index tensors, as CUDA allows.
@@ -396,6 +405,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("copy_", copy);
   m.impl("_copy_from", copy_from);
   m.impl("_copy_from_and_resize", copy_from_and_resize);
+  m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
 }
 
 } // namespace
