@@ -61,6 +61,8 @@ def test_fsdp2_offload_example_shows_the_failure_then_trains():
     skip_unless_simulation()
     result = _torchrun("--standalone", "--nproc-per-node", "2", str(EXAMPLES / "fsdp2_offload_clip.py"))
     assert result.returncode == 0, result.stderr
+    assert "FSDP2 on 2 ranks (hccl), computing on npu, parameters and gradients offloaded to the CPU" in result.stdout
+    assert "gradient shards on cpu, mesh on npu" in result.stdout  # what CPUOffloadPolicy leaves
     assert f"torch.nn.utils.clip_grad_norm_ fails: RuntimeError: {SEED_ERROR}" in result.stdout
     rows = re.findall(r"^\s+(\d)\s+(\d+\.\d+)\s+(\d+\.\d+)$", result.stdout, re.MULTILINE)
     assert [int(step) for step, _, _ in rows] == [0, 1, 2, 3, 4]

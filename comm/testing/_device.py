@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -41,9 +41,22 @@ def install_device(name: str, device_count: int) -> None:
     core = _native.load()
     torch.utils.rename_privateuse1_backend(name)
     core.install(device_count)
+    core.run_on_host_for(_structured_operators())
     torch.utils.generate_methods_for_privateuse1_backend()
     torch._register_device_module(name, _build_device_module(name, core))
     _NAME = name
+
+
+def _structured_operators() -> List[str]:
+    """aten operators whose PrivateUse1 kernel would otherwise be a composite over their out= variant."""
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    return [
+        name[len("aten::"):]
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("aten::")
+        and has_kernel(name, "CompositeExplicitAutogradNonFunctional")
+        and has_kernel(name, "CPU")
+    ]
 
 
 def _index_of(device: Any, core: Any) -> int:

@@ -408,6 +408,15 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
 }
 
+// Structured operators (add, mul, mse_loss, ...) fill every backend's slot with a
+// composite kernel that allocates the output and calls the out= variant. A real
+// plugin registers its own kernels there; this one routes those operators to the
+// CPU's functional kernel through the fallback (one dispatch instead of three).
+void run_on_host_for(const std::vector<std::string>& names) {
+  static torch::Library library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  for (const auto& name : names) library.impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&run_on_host>());
+}
+
 } // namespace
 
 at::Tensor host_view(const at::Tensor& tensor) {
@@ -424,6 +433,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     device_count = count;
     at::RegisterPrivateUse1HooksInterface(&hooks);
   });
+  m.def("run_on_host_for", &run_on_host_for);
   m.def("device_count", []() { return device_count.load(); });
   m.def("current_device", []() { return static_cast<int>(current_index); });
   m.def("set_device", [](int index) { current_index = checked(static_cast<c10::DeviceIndex>(index)); });
