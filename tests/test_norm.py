@@ -11,7 +11,7 @@ import torch.nn as nn
 if not hasattr(fsdp, "fully_shard"):
     pytest.skip("needs FSDP2: torch.distributed.fsdp.fully_shard (torch >= 2.6)", allow_module_level=True)
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
 
 import comm

@@ -72,8 +72,9 @@ def _storage_and_dtypes(rank):
         on_npu = values.to(dtype).to("npu")
         seen[str(dtype)] = (on_npu.dtype == dtype, torch.equal((on_npu * 2).cpu(), values.to(dtype) * 2))
     seen["0-dim"] = (torch.tensor(3.0, device="npu").dim(), torch.tensor(3.0, device="npu").item())
-    transposed = torch.arange(6.0).reshape(2, 3).to("npu").t()
-    seen["strided"] = (transposed.is_contiguous(), torch.equal(transposed.contiguous().cpu(), torch.arange(6.0).reshape(2, 3).t()))
+    matrix = torch.arange(6.0).reshape(2, 3)
+    transposed = matrix.to("npu").t()
+    seen["strided"] = (transposed.is_contiguous(), torch.equal(transposed.contiguous().cpu(), matrix.t()))
     other = torch.ones(2, device=f"npu:{1 - rank}")
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         other + torch.ones(2, device="npu")

@@ -13,6 +13,7 @@ import types
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
+from torch.utils.backend_registration import generate_methods_for_privateuse1_backend, rename_privateuse1_backend
 
 from comm.testing import _native
 
@@ -39,11 +40,11 @@ def install_device(name: str, device_count: int) -> None:
     """Load the C++ device, rename PrivateUse1 to ``name`` and install ``torch.<name>``."""
     global _NAME
     core = _native.load()
-    torch.utils.rename_privateuse1_backend(name)
+    rename_privateuse1_backend(name)
     core.install(device_count)
     core.run_on_host_for(_structured_operators())
-    torch.utils.generate_methods_for_privateuse1_backend()
-    torch._register_device_module(name, _build_device_module(name, core))
+    generate_methods_for_privateuse1_backend()
+    torch._register_device_module(name, _build_device_module(name, core))  # type: ignore[no-untyped-call]
     _NAME = name
 
 

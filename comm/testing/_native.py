@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -41,6 +41,8 @@ def unavailable_reason() -> Optional[str]:
         return f"the simulated accelerator's C++ core needs torch >= 2.13; this is torch {torch.__version__}"
     if not torch.distributed.is_available():
         return "this torch is built without torch.distributed"
+    if is_built():
+        return None  # what follows is needed to build it
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX", "c++")
@@ -68,12 +70,22 @@ def load() -> ModuleType:
         return _MODULE
 
 
-def _import_or_build() -> ModuleType:
+def is_built() -> bool:
+    """Whether this machine has a finished build of these sources for this torch."""
+    directory, library = _build_paths()
+    return library.exists() and not (directory / "lock").exists()
+
+
+def _build_paths() -> Tuple[Path, Path]:
     name = f"comm_simulated_{_fingerprint()}"
     directory = _cache_root() / name
-    library = directory / f"{name}.so"
-    if library.exists() and not (directory / "lock").exists():
-        spec = importlib.util.spec_from_file_location(name, library)
+    return directory, directory / f"{name}.so"
+
+
+def _import_or_build() -> ModuleType:
+    directory, library = _build_paths()
+    if is_built():
+        spec = importlib.util.spec_from_file_location(library.stem, library)
         if spec is None or spec.loader is None:
             raise RuntimeError(f"cannot import the simulated accelerator's build at {library}")
         module = importlib.util.module_from_spec(spec)
@@ -82,15 +94,15 @@ def _import_or_build() -> ModuleType:
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
-    module: ModuleType = cpp_extension.load(
-        name,
+    built: ModuleType = cpp_extension.load(
+        library.stem,
         [str(_CSRC / source) for source in _SOURCES],
         extra_cflags=["-O2"],
         extra_include_paths=[str(_CSRC)],
         build_directory=str(directory),
         verbose=False,
     )
-    return module
+    return built
 
 
 def _fingerprint() -> str:

@@ -30,7 +30,7 @@ def create_backend(
 ) -> Any:
     """A simulated backend for one group: gloo underneath, ``backend_name`` on top."""
     host = dist.ProcessGroupGloo(store, rank, size, timeout)
-    refused = {int(op): op.name for op in unsupported_ops}
+    refused = {int(op.value): op.name for op in unsupported_ops}
     return _native.load().make_backend(host, backend_name, refused)
 
 
