@@ -1,5 +1,7 @@
 """comm.testing: the simulated accelerator behaves like the real one, errors included."""
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -75,6 +77,11 @@ def _storage_and_dtypes(rank):
     matrix = torch.arange(6.0).reshape(2, 3)
     transposed = matrix.to("npu").t()
     seen["strided"] = (transposed.is_contiguous(), torch.equal(transposed.contiguous().cpu(), matrix.t()))
+    in_thread = []  # the current device is per thread, as on hardware: a new thread starts on device 0
+    thread = threading.Thread(target=lambda: in_thread.append(torch.npu.current_device()))
+    thread.start()
+    thread.join()
+    seen["thread_device"] = (torch.npu.current_device(), in_thread[0])
     other = torch.ones(2, device=f"npu:{1 - rank}")
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         other + torch.ones(2, device="npu")
@@ -102,6 +109,7 @@ def test_simulated_npu_behaves_like_a_device():
         assert seen["torch.bool"] == seen["torch.bfloat16"] == seen["torch.int64"] == (True, True)
         assert seen["0-dim"] == (0, 3.0)
         assert seen["strided"] == (False, True)
+        assert seen["thread_device"] == (rank, 0)
 
 
 def _setup_rules(rank, world_size):
