@@ -45,6 +45,17 @@ def test_train_ddp_on_two_torchrun_nodes_over_loopback():
     assert losses[0][1] == losses[1][1]
 
 
+def test_train_ddp_on_two_simulated_npus_of_one_node():
+    """Each rank trains on its own device, backward included (npu:1 as well as npu:0)."""
+    skip_unless_simulation()
+    result = _torchrun("--standalone", "--nproc-per-node", "2", str(EXAMPLES / "train_ddp.py"), "--simulate", "npu",
+                       "--steps", "10")
+    assert result.returncode == 0, result.stderr
+    losses = sorted(re.findall(r"rank (\d)/2: device=npu:(\d) backend=hccl final loss (\S+)", result.stdout))
+    assert [(rank, device) for rank, device, _ in losses] == [("0", "0"), ("1", "1")]
+    assert losses[0][2] == losses[1][2]
+
+
 def test_legacy_trainer_fails_as_is_and_works_under_python_m_comm():
     skip_unless_simulation()
     script = [str(EXAMPLES / "legacy_trainer.py"), "--simulate", "npu", "--steps", "3"]
