@@ -138,6 +138,15 @@ def test_bad_arguments_are_refused_before_anything_changes(kwargs, message):
     assert torch._C._get_privateuse1_backend_name() == "privateuseone"
 
 
+def test_without_a_compiler_it_is_refused_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no build cached here
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert not comm.testing.can_simulate()
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler .*'no-such-compiler' is not on PATH"):
+        comm.testing.simulate_accelerator()
+    assert torch._C._get_privateuse1_backend_name() == "privateuseone"
+
+
 def _plugin_owns_privateuse1(rank, world_size):
     torch.utils.rename_privateuse1_backend("foo")  # what a real plugin does at import
     with pytest.raises(RuntimeError, match="PrivateUse1 already belongs to 'foo'"):
