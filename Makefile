@@ -25,7 +25,7 @@ demo: $(VENV)/.installed
 	@$(TORCHRUN) examples/bind_and_reduce.py
 	@echo "== the same on the simulated NPU (hccl) =="
 	@$(TORCHRUN) examples/bind_and_reduce.py --simulate npu
-	@echo "== FSDP2 with CPU-offloaded gradients: torch's clip, then comm's =="
+	@echo "== FSDP2 with CPUOffloadPolicy on the simulated NPU: torch's clip, then comm's =="
 	@$(TORCHRUN) examples/fsdp2_offload_clip.py $(DEMO_ARGS)
 
 lint: $(VENV)/.installed

@@ -126,6 +126,11 @@ def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> torch.de
         and "device_id" not in kwargs
         and _accepts_device_id()
         and device.type in _backend_string_device_types(backend)
+        # torch binds every later group to the default group's device_id and asks that
+        # group's backend for it: bound to an npu or xpu, dist.new_group(backend="gloo")
+        # (the CPU group of CPU offload) fails with "No backend type associated with
+        # device type npu". Bind only to devices gloo serves too.
+        and device.type in _backend_capability("gloo")
     ):
         kwargs["device_id"] = device
     dist.init_process_group(backend=backend, **rendezvous, **kwargs)

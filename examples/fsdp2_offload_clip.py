@@ -1,14 +1,14 @@
-"""FSDP2 with gradients on the CPU, clipped with comm.clip_grad_norm_.
+"""FSDP2 with CPUOffloadPolicy, its gradients clipped with comm.clip_grad_norm_.
 
-On the simulated NPU the gradients reach clipping as FSDP2 with CPUOffloadPolicy
-hands them over on Ascend: local shards on the CPU, mesh on the NPU's hccl group.
-torch's own clip then fails with the FSDP offload report's error; comm's works.
+On the simulated NPU this is the FSDP offload report as users meet it on Ascend:
+FSDP2 computes on each rank's npu over hccl, and CPU offload leaves the sharded
+parameters and gradients on the CPU. torch's own clip then fails with the
+report's error; comm's clips and the model trains.
 
     torchrun --standalone --nproc-per-node 2 examples/fsdp2_offload_clip.py
     torchrun --standalone --nproc-per-node 2 examples/fsdp2_offload_clip.py --no-simulate
 
-The model computes on the CPU over gloo in both modes (the simulated device cannot
-host FSDP2's parameter storage); only where clipping reduces differs.
+With --no-simulate it is plain FSDP2 on the CPU over gloo, without offload.
 """
 
 import argparse
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 import comm
 import comm.testing
@@ -30,19 +30,19 @@ def say(line: str) -> None:
         sys.stdout.flush()
 
 
-def build_model(mesh: DeviceMesh) -> nn.Module:
+def build_model(mesh: DeviceMesh, offload: OffloadPolicy) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, offload_policy=offload)
+    fully_shard(model, mesh=mesh, offload_policy=offload)
     return model
 
 
-def batch(step: int, rank: int) -> tuple:
+def batch(step: int, rank: int, device: torch.device) -> tuple:
     inputs = torch.randn(32, 16, generator=torch.Generator().manual_seed(1000 * step + rank))
-    return inputs, inputs.sum(dim=1, keepdim=True).sin() * 3
+    return inputs.to(device), (inputs.sum(dim=1, keepdim=True).sin() * 3).to(device)
 
 
 def torch_clip_outcome(parameters: list, max_norm: float) -> str:
@@ -62,31 +62,25 @@ def main() -> None:
     args = parser.parse_args()
     if not args.no_simulate:
         comm.testing.simulate_accelerator("npu", "hccl")
-    comm.init_process_group("gloo")  # binds npu:<local rank> when simulating; FSDP computes over gloo
+    device = comm.init_process_group()  # npu:<local rank> over hccl when simulating, else cpu over gloo
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = build_model(init_device_mesh("cpu", (world_size,)))
+    offload = OffloadPolicy() if device.type == "cpu" else CPUOffloadPolicy()
+    model = build_model(init_device_mesh(device.type, (world_size,)), offload)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    if args.no_simulate:
-        where = "cpu mesh (gloo)"
-        views = list(model.parameters())
-    else:
-        npu_mesh = DeviceMesh.from_group(dist.new_group(backend="hccl"), "npu")
-        where = "npu mesh (hccl), local shards on the CPU"
-        views = [comm.testing.offloaded(p, npu_mesh) for p in model.parameters()]
     comm.reset_stats()
-    say(f"FSDP2 on {world_size} ranks; gradients clipped on the {where}")
+    where = "the CPU" if device.type == "cpu" else f"{device.type}, parameters and gradients offloaded to the CPU"
+    say(f"FSDP2 on {world_size} ranks ({dist.get_backend()}), computing on {where}")
     for step in range(args.steps):
-        inputs, targets = batch(step, rank)
+        inputs, targets = batch(step, rank, device)
         loss = nn.functional.mse_loss(model(inputs), targets)
         loss.backward()
-        if not args.no_simulate:
-            for view, param in zip(views, model.parameters()):
-                view.grad = comm.testing.offloaded(param.grad, view.device_mesh)
         if step == 0:
-            if not args.no_simulate:
-                say(torch_clip_outcome(views, args.max_norm))
+            grad = next(model.parameters()).grad
+            say(f"gradient shards on {grad.to_local().device.type}, mesh on {grad.device_mesh.device_type}")
+            if device.type != "cpu":
+                say(torch_clip_outcome(list(model.parameters()), args.max_norm))
             say(f"{'step':>4} {'loss':>10} {'grad norm':>10}   (comm.clip_grad_norm_)")
-        norm = comm.clip_grad_norm_(views, args.max_norm)
+        norm = comm.clip_grad_norm_(model.parameters(), args.max_norm)
         optimizer.step()
         optimizer.zero_grad()
         mean_loss = loss.detach().clone()

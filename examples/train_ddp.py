@@ -1,11 +1,10 @@
 """Train a small model with DDP; no line of it names a device or a backend.
 
-    torchrun --standalone --nproc-per-node 2 examples/train_ddp.py
+    torchrun --standalone --nproc-per-node 2 examples/train_ddp.py [--simulate npu]
     torchrun --nnodes 2 --nproc-per-node 1 ... examples/train_ddp.py --simulate npu
 
-Unchanged, it runs on CUDA (nccl), Ascend (hccl), XPU (xccl) or the CPU (gloo). On
-the simulated NPU, backward works on npu:0 only (see comm.testing), so run one
-process per node there.
+Unchanged, it runs on CUDA (nccl), Ascend (hccl), XPU (xccl), the simulated NPU
+or the CPU (gloo).
 """
 
 import argparse

@@ -2,20 +2,46 @@
 
 ``faulty`` serves the simulated ``npu`` like ``hccl`` does, and fails the calls the
 test chooses: by raising when the collective is issued, or by returning a work
-whose ``wait()`` raises.
+whose ``wait()`` raises. It is a Python process group (c10d's one hook for a
+backend written in Python) around the simulated C++ backend, which rejects tensors
+of other devices with the error the group's own dispatch raises.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Set
+from typing import Any, Callable, List, Set
 
 import torch
 import torch.distributed as dist
 
-from comm.testing._process_group import _FORWARDED, SimulatedProcessGroup
+from comm.testing._process_group import create_backend
 
 INJECTED = "injected backend failure"
+
+# ProcessGroup methods c10d calls on a Python group, and the Backend method for each.
+_FORWARDED = {
+    "allreduce": "allreduce",
+    "allreduce_coalesced": "allreduce_coalesced",
+    "broadcast": "broadcast",
+    "allgather": "allgather",
+    "allgather_coalesced": "allgather_coalesced",
+    "_allgather_base": "_allgather_base",
+    "all_gather_single": "_allgather_base",
+    "reduce_scatter": "reduce_scatter",
+    "_reduce_scatter_base": "_reduce_scatter_base",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "reduce": "reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+    "alltoall": "alltoall",
+    "alltoall_base": "alltoall_base",
+    "all_to_all_single": "alltoall_base",
+    "barrier": "barrier",
+    "send": "send",
+    "recv": "recv",
+    "recv_anysource": "recv_anysource",
+}
 
 
 class FaultPlan:
@@ -57,33 +83,49 @@ class FailingWork(dist.Work):
         return future
 
 
-class FaultyProcessGroup(SimulatedProcessGroup):
-    pass
+class FaultyProcessGroup(dist.ProcessGroup):
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, device_type: str):
+        super().__init__(rank, size)
+        self._inner = create_backend(store, rank, size, timeout, "faulty", frozenset())
+        self._device_type = device_type
+        self._group_name = ""
+
+    def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
+        return "faulty"
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    @property
+    def _device_types(self) -> List[torch.device]:
+        return [torch.device(self._device_type)]
 
 
-def _faulty(name: str) -> Callable[..., Any]:
-    forward = getattr(SimulatedProcessGroup, name)
-
+def _faulty(name: str, backend_name: str) -> Callable[..., Any]:
     def method(self: FaultyProcessGroup, *args: Any, **kwargs: Any) -> Any:
         PLAN.calls += 1
         if PLAN.calls in PLAN.raise_on:
             raise RuntimeError(f"{INJECTED} (on call {PLAN.calls})")
-        work = forward(self, *args, **kwargs)
+        work = getattr(self._inner, backend_name)(*args, **kwargs)
         return FailingWork(work) if PLAN.calls in PLAN.fail_wait_on else work
 
     method.__name__ = name
     return method
 
 
-for _name in _FORWARDED:
-    setattr(FaultyProcessGroup, _name, _faulty(_name))
+for _name, _backend_name in _FORWARDED.items():
+    setattr(FaultyProcessGroup, _name, _faulty(_name, _backend_name))
 
 
 def register_faulty_backend(device_type: str = "npu") -> None:
     """Make ``dist.new_group(backend="faulty")`` available in this (simulated) process."""
 
     def create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> FaultyProcessGroup:
-        return FaultyProcessGroup(store, rank, size, timeout, device_type, "faulty", frozenset())
+        return FaultyProcessGroup(store, rank, size, timeout, device_type)
 
     if "faulty" not in dist.Backend.backend_list:
         dist.Backend.register_backend("faulty", create, devices=[device_type])

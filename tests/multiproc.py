@@ -160,14 +160,25 @@ def _wait_for_each_other(workdir: str, survivors: int) -> None:
 
 
 def skip_unless_simulation() -> None:
-    """Skip the calling test where this torch cannot host the simulated accelerator."""
-    import torch
+    """Skip the calling test where the simulated accelerator cannot be built; else build it now.
 
-    import comm.testing
+    Its C++ core compiles once per machine, in minutes on 2 cores: longer than a
+    scenario's timeout, so it is built here, before any rank starts, in a separate
+    process (loading it registers the device in the loading process). Concurrent
+    builds (pytest-xdist workers) wait for each other.
+    """
+    global _SIMULATION_BUILT
+    from comm.testing import _native
 
-    if not comm.testing.can_simulate():
-        pytest.skip(f"the simulated accelerator needs torch's Python PrivateUse1 hooks; torch {torch.__version__} "
-                    "lacks them")
+    reason = _native.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    if not _SIMULATION_BUILT and not _native.is_built():
+        subprocess.run([sys.executable, "-c", "from comm.testing import _native; _native.load()"], check=True)
+    _SIMULATION_BUILT = True
+
+
+_SIMULATION_BUILT = False
 
 
 def init_group(backend: Optional[str], rank: int, world_size: int, pg_timeout: float = 60.0, **kwargs: Any) -> None:

@@ -38,6 +38,17 @@ def test_train_ddp_on_two_torchrun_nodes_over_loopback():
     assert losses[0][1] == losses[1][1]
 
 
+def test_train_ddp_on_two_simulated_npus_of_one_node():
+    """Each rank trains on its own device, backward included (npu:1 as well as npu:0)."""
+    skip_unless_simulation()
+    result = _torchrun("--standalone", "--nproc-per-node", "2", str(EXAMPLES / "train_ddp.py"), "--simulate", "npu",
+                       "--steps", "10")
+    assert result.returncode == 0, result.stderr
+    losses = sorted(re.findall(r"rank (\d)/2: device=npu:(\d) backend=hccl final loss (\S+)", result.stdout))
+    assert [(rank, device) for rank, device, _ in losses] == [("0", "0"), ("1", "1")]
+    assert losses[0][2] == losses[1][2]
+
+
 def test_legacy_trainer_fails_as_is_and_works_under_python_m_comm():
     skip_unless_simulation()
     script = [str(EXAMPLES / "legacy_trainer.py"), "--simulate", "npu", "--steps", "3"]
@@ -54,6 +65,8 @@ def test_fsdp2_offload_example_shows_the_failure_then_trains():
     skip_unless_simulation()
     result = _torchrun("--standalone", "--nproc-per-node", "2", str(EXAMPLES / "fsdp2_offload_clip.py"))
     assert result.returncode == 0, result.stderr
+    assert "FSDP2 on 2 ranks (hccl), computing on npu, parameters and gradients offloaded to the CPU" in result.stdout
+    assert "gradient shards on cpu, mesh on npu" in result.stdout  # what CPUOffloadPolicy leaves
     assert f"torch.nn.utils.clip_grad_norm_ fails: RuntimeError: {SEED_ERROR}" in result.stdout
     rows = re.findall(r"^\s+(\d)\s+(\d+\.\d+)\s+(\d+\.\d+)$", result.stdout, re.MULTILINE)
     assert [int(step) for step, _, _ in rows] == [0, 1, 2, 3, 4]

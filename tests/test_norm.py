@@ -11,13 +11,13 @@ import torch.nn as nn
 if not hasattr(fsdp, "fully_shard"):
     pytest.skip("needs FSDP2: torch.distributed.fsdp.fully_shard (torch >= 2.6)", allow_module_level=True)
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
 
 import comm
 import comm.testing
 
-from multiproc import NPU, SEED_ERROR, run_ranks
+from multiproc import NPU, SEED_ERROR, file_store, run_ranks
 
 NORM_TYPES = [1.0, 2.0, 3.5, math.inf, 0.0]
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5}
@@ -194,43 +194,62 @@ def test_expert_mesh_and_ranks_without_gradient():
 
 
 def _second_seed(rank, world_size):
+    """The second seed as users meet it: FSDP2 with CPUOffloadPolicy on an hccl mesh."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    seen = {"bind": str(comm.bind())}
+    dist.init_process_group(
+        "hccl", store=file_store(world_size), rank=rank, world_size=world_size, device_id=torch.device("npu", rank)
+    )
+    seen["bound"] = str(dist.group.WORLD.bound_device_id)
+    seen["to"] = str(torch.ones(1).to("npu").device)
     mesh = init_device_mesh("npu", (world_size,))
-    cpu_mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
-    full = _full_gradients(3, torch.float32)
-    params = []
-    for f in full:
-        param = comm.testing.offloaded(distribute_tensor(torch.zeros_like(f), cpu_mesh, [Shard(0)]), mesh)
-        param.requires_grad_()
-        param.grad = comm.testing.offloaded(distribute_tensor(f, cpu_mesh, [Shard(0)]), mesh)
-        params.append(param)
-    seen = {"local_device": str(params[0].grad.to_local().device), "mesh": mesh.device_type}
+    model, reference = _model(torch.float32), _model(torch.float32)
+    for module in [*(layer for layer in model if isinstance(layer, nn.Linear)), model]:
+        fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy())
+    backward = set()
+    output = model(_batch(torch.float32).to("npu"))
+    output.register_hook(lambda grad: backward.add((str(grad.device), torch.accelerator.current_device_index())))
+    output.sum().backward()  # every rank the same batch: averaged gradients = the reference's
+    reference(_batch(torch.float32)).sum().backward()
+    seen["forward"], seen["backward"] = str(output.device), sorted(backward)
+    seen["grad_devices"] = sorted({p.grad.to_local().device.type for p in model.parameters()})
+    saved = [p.grad.to_local().clone() for p in model.parameters()]
     try:
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         seen["torch"] = "no error"
     except RuntimeError as error:
         seen["torch"] = str(error)
-    for param, f in zip(params, full):  # torch may have failed half way: start again from clean gradients
-        param.grad.to_local().copy_(f.chunk(world_size)[rank])
-    seen["norm"] = comm.clip_grad_norm_(params, 1.0)
-    reference = [f.clone().requires_grad_() for f in full]
-    for ref, f in zip(reference, full):
-        ref.grad = f.clone()
-    seen["expected"] = torch.nn.utils.clip_grad_norm_(reference, 1.0)
-    seen["clipped_local"] = [p.grad.to_local().clone() for p in params]
-    seen["expected_local"] = [r.grad.chunk(world_size)[rank] for r in reference]
+    for param, grad in zip(model.parameters(), saved):  # in case torch scaled some before failing
+        param.grad.to_local().copy_(grad)
+    seen["norm"] = comm.clip_grad_norm_(model.parameters(), 1.0)
+    seen["expected"] = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    seen["clipped_local"] = [p.grad.to_local().clone() for p in model.parameters()]
+    seen["expected_local"] = [r.grad.chunk(world_size)[rank].clone() for r in reference.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen["losses"] = []
+    for step in range(3):
+        optimizer.zero_grad()
+        loss = model(_batch(torch.float32).to("npu") + step).square().mean()
+        loss.backward()
+        comm.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        seen["losses"].append(loss.item())
     return seen
 
 
 def test_second_seed_reproduced_and_fixed_on_simulated_npu():
-    """DTensor gradients built directly (fully_shard needs storage resizing, which the
-    simulated device lacks), shaped as FSDP2 with CPUOffloadPolicy leaves them."""
-    for seen in run_ranks(_second_seed, 2, backend="hccl", simulate=NPU):
-        assert seen["local_device"] == "cpu" and seen["mesh"] == "npu"
+    """FSDP2 + CPUOffloadPolicy on the simulated NPU: torch's clip fails, comm's matches the unsharded norm."""
+    for rank, seen in enumerate(run_ranks(_second_seed, 2, backend=None, simulate=NPU)):
+        assert seen["bind"] == seen["bound"] == seen["to"] == seen["forward"] == f"npu:{rank}"
+        assert seen["backward"] == [(f"npu:{rank}", rank)]  # the autograd engine ran it on this rank's device
+        assert seen["grad_devices"] == ["cpu"]
         assert seen["torch"] == SEED_ERROR
         assert torch.allclose(seen["norm"], seen["expected"], rtol=1e-5)
         assert seen["norm"].device.type == "cpu"
         for ours, theirs in zip(seen["clipped_local"], seen["expected_local"]):
             assert torch.allclose(ours, theirs, rtol=1e-5)
+        assert len(seen["losses"]) == 3 and all(math.isfinite(loss) for loss in seen["losses"])
 
 
 def test_plain_tensors_and_bad_input():

@@ -1,5 +1,7 @@
 """comm.testing: the simulated accelerator behaves like the real one, errors included."""
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,6 +35,8 @@ def _tensors_and_collectives(rank, world_size):
         on_npu + data
     seen["cpu_scalar_mixes"] = torch.equal((on_npu * torch.tensor(2.0)).cpu(), on_npu.cpu() * 2)
 
+    seen.update(_storage_and_dtypes(rank))
+    comm.testing.reset_counters()
     total = torch.full((4,), float(rank + 1), device="npu")
     dist.all_reduce(total)
     seen["all_reduce"] = total.cpu()
@@ -42,6 +46,45 @@ def _tensors_and_collectives(rank, world_size):
     mesh = init_device_mesh("npu", (world_size,))
     seen["mesh_device"] = mesh.device_type
     seen["functional"] = funcol.all_reduce(torch.ones(2, device="npu"), "sum", mesh).cpu()
+    seen["counters"] = comm.testing.counters()  # 2 collectives; copies back: all_reduce, functional
+    return seen
+
+
+def _storage_and_dtypes(rank):
+    """What FSDP2 and ordinary code do with device tensors: storages, views, dtypes."""
+    seen = {}
+    block = torch.ones(4, device="npu")
+    storage = block.untyped_storage()
+    storage.resize_(0)  # FSDP2 frees an unsharded parameter so ...
+    seen["freed"] = storage.size()
+    storage.resize_(16)  # ... and refills it before the next all-gather
+    block.fill_(2.0)
+    block.resize_(8)
+    block[4:].fill_(3.0)
+    seen["resized"] = (block.untyped_storage().size(), block.cpu().tolist())
+    shared = torch.empty(0, device="npu").set_(block.untyped_storage(), 2, (3,))
+    shared.add_(10)  # writes through to block
+    seen["set_"] = (str(shared.device), block.cpu().tolist())
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.data = torch.ones(2, device="npu")  # FSDP2 moving a parameter
+    seen["set_data"] = (str(param.device), param.cpu().tolist())
+    seen["pinned"] = (torch.ones(3).pin_memory().is_pinned(), torch.ones(3).is_pinned())
+    values = torch.arange(6)
+    for dtype in (torch.bool, torch.bfloat16, torch.int64):
+        on_npu = values.to(dtype).to("npu")
+        seen[str(dtype)] = (on_npu.dtype == dtype, torch.equal((on_npu * 2).cpu(), values.to(dtype) * 2))
+    seen["0-dim"] = (torch.tensor(3.0, device="npu").dim(), torch.tensor(3.0, device="npu").item())
+    matrix = torch.arange(6.0).reshape(2, 3)
+    transposed = matrix.to("npu").t()
+    seen["strided"] = (transposed.is_contiguous(), torch.equal(transposed.contiguous().cpu(), matrix.t()))
+    in_thread = []  # the current device is per thread, as on hardware: a new thread starts on device 0
+    thread = threading.Thread(target=lambda: in_thread.append(torch.npu.current_device()))
+    thread.start()
+    thread.join()
+    seen["thread_device"] = (torch.npu.current_device(), in_thread[0])
+    other = torch.ones(2, device=f"npu:{1 - rank}")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        other + torch.ones(2, device="npu")
     return seen
 
 
@@ -57,6 +100,16 @@ def test_simulated_npu_behaves_like_a_device():
         assert seen["seed_error"] == SEED_ERROR  # the first seed's exact error, on CPU
         assert seen["mesh_device"] == "npu"
         assert torch.equal(seen["functional"], torch.full((2,), 2.0))
+        assert seen["counters"] == {"transfers": 2, "collectives": 2}
+        assert seen["freed"] == 0
+        assert seen["resized"] == (32, [2.0] * 4 + [3.0] * 4)
+        assert seen["set_"] == (f"npu:{rank}", [2.0, 2.0, 12.0, 12.0, 13.0, 3.0, 3.0, 3.0])
+        assert seen["set_data"] == (f"npu:{rank}", [1.0, 1.0])
+        assert seen["pinned"] == (True, False)
+        assert seen["torch.bool"] == seen["torch.bfloat16"] == seen["torch.int64"] == (True, True)
+        assert seen["0-dim"] == (0, 3.0)
+        assert seen["strided"] == (False, True)
+        assert seen["thread_device"] == (rank, 0)
 
 
 def _setup_rules(rank, world_size):
@@ -85,6 +138,15 @@ def test_bad_arguments_are_refused_before_anything_changes(kwargs, message):
     assert torch._C._get_privateuse1_backend_name() == "privateuseone"
 
 
+def test_without_a_compiler_it_is_refused_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no build cached here
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert not comm.testing.can_simulate()
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler .*'no-such-compiler' is not on PATH"):
+        comm.testing.simulate_accelerator()
+    assert torch._C._get_privateuse1_backend_name() == "privateuseone"
+
+
 def _plugin_owns_privateuse1(rank, world_size):
     torch.utils.rename_privateuse1_backend("foo")  # what a real plugin does at import
     with pytest.raises(RuntimeError, match="PrivateUse1 already belongs to 'foo'"):
@@ -94,3 +156,65 @@ def _plugin_owns_privateuse1(rank, world_size):
 
 def test_refuses_when_a_real_plugin_owns_privateuse1():
     assert run_ranks(_plugin_owns_privateuse1, 1, backend=None) == [True]
+
+
+def _dtensor_on_npu(rank, world_size):
+    """DTensor redistributions of NPU-resident shards, and CPU tensors through every path."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from multiproc import file_store
+
+    device = torch.device("npu", rank)
+    dist.init_process_group("hccl", store=file_store(world_size), rank=rank, world_size=world_size, device_id=device)
+    mesh = init_device_mesh("npu", (world_size,))
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    sharded = distribute_tensor(full.to("npu"), mesh, [Shard(0)])
+    partial = DTensor.from_local(full.to("npu") * (rank + 1), mesh, [Partial()])
+    seen = {
+        "bound": str(dist.group.WORLD.bound_device_id),
+        "local": str(sharded.to_local().device),
+        "full_tensor": sharded.full_tensor().cpu(),  # all-gather
+        "shard_to_replicate": sharded.redistribute(mesh, [Replicate()]).to_local().cpu(),
+        "shard_to_shard": sharded.redistribute(mesh, [Shard(1)]).to_local().cpu(),  # all-to-all
+        "partial_to_replicate": partial.redistribute(mesh, [Replicate()]).to_local().cpu(),  # all-reduce
+        "partial_to_shard": partial.redistribute(mesh, [Shard(0)]).to_local().cpu(),  # reduce-scatter
+    }
+    cpu = torch.ones(4)
+    paths = {
+        "c10d all_reduce": lambda: dist.all_reduce(cpu),
+        "c10d all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.zeros(8), cpu),
+        "c10d reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.zeros(2), cpu),
+        "c10d all_to_all_single": lambda: dist.all_to_all_single(torch.zeros(4), cpu),
+        "c10d broadcast": lambda: dist.broadcast(cpu, 0),
+        "functional all_reduce": lambda: funcol.all_reduce(cpu, "sum", mesh).wait(),
+        "functional all_gather": lambda: funcol.all_gather_tensor(cpu, 0, mesh).wait(),
+        "functional reduce_scatter": lambda: funcol.reduce_scatter_tensor(cpu, "sum", 0, mesh).wait(),
+        "functional all_to_all": lambda: funcol.all_to_all_single(cpu, None, None, mesh).wait(),
+        "functional broadcast": lambda: funcol.broadcast(cpu, 0, mesh).wait(),
+    }
+    seen["cpu"] = {}
+    for name, call in paths.items():
+        with pytest.raises(RuntimeError) as failure:
+            call()
+        seen["cpu"][name] = str(failure.value)
+    both = dist.new_group(backend="cpu:gloo,npu:hccl")  # a composite backend serves both devices
+    on_cpu, on_npu = torch.ones(2), torch.ones(2, device="npu")
+    dist.all_reduce(on_cpu, group=both)
+    dist.all_reduce(on_npu, group=both)
+    seen["composite"] = (on_cpu.tolist(), on_npu.cpu().tolist(), sorted(d.type for d in both._device_types))
+    return seen
+
+
+def test_dtensor_redistributes_npu_shards_and_cpu_tensors_fail_everywhere():
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    for rank, seen in enumerate(run_ranks(_dtensor_on_npu, 2, backend=None, simulate=NPU)):
+        assert seen["bound"] == seen["local"] == f"npu:{rank}"
+        assert torch.equal(seen["full_tensor"], full)
+        assert torch.equal(seen["shard_to_replicate"], full)
+        assert torch.equal(seen["shard_to_shard"], full.chunk(2, dim=1)[rank])
+        assert torch.equal(seen["partial_to_replicate"], full * 3)
+        assert torch.equal(seen["partial_to_shard"], (full * 3).chunk(2)[rank])
+        assert seen["cpu"] == dict.fromkeys(seen["cpu"], SEED_ERROR) and len(seen["cpu"]) == 10
+        assert seen["composite"] == ([2.0, 2.0], [2.0, 2.0], ["cpu", "npu"])

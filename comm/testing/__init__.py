@@ -1,23 +1,29 @@
 """Test support: a simulated accelerator so CPU-only CI reproduces accelerator-only bugs.
 
-After ``simulate_accelerator("npu", "hccl")`` a CPU-only process behaves, for
-collectives, like an Ascend machine: ``torch.device("npu:1")``, ``.to("npu")``,
-``torch.accelerator``, ``init_process_group("hccl")`` and
-``init_device_mesh("npu", ...)`` work, and an hccl collective on a CPU tensor fails
-with ``No backend type associated with device type cpu``, as it does on real hardware.
+After ``simulate_accelerator("npu", "hccl")`` a CPU-only process behaves like an
+Ascend machine: ``torch.device("npu:1")``, ``.to("npu")`` (onto the current device),
+``torch.accelerator``, ``init_process_group("hccl", device_id=...)``,
+``init_device_mesh("npu", ...)``, DTensor, and FSDP2 with ``CPUOffloadPolicy`` work,
+and a CPU tensor on the hccl group fails with ``No backend type associated with
+device type cpu`` through ``torch.distributed`` and the functional collectives alike,
+as on real hardware.
 
-Known differences from a real device: tensors are wrapper subclasses, so storage
-tricks (``untyped_storage().resize_``, ``param.data = ...``) are unsupported and
-FSDP2 cannot host its parameters here; backward runs on ``npu:0`` only (torch's
-autograd engine sizes its device queues from a C++ device guard that a Python
-backend cannot implement), so train one process per node; a composite backend
-string naming the simulated backend (``"cpu:gloo,npu:hccl"``) yields a group that
-serves only the simulated device (c10d hands a Python process group every device);
-and ``device_id`` does not reach the group's ``bound_device_id`` (c10d replaces the
-group object it set it on), so staging targets the bound local rank instead; and
-``.to("npu")`` without an index lands on ``npu:0`` whatever device is current (torch
-resolves it through a C++ device guard that a Python backend cannot replace), while
-``torch.empty(..., device="npu")`` and explicit indices behave as on hardware.
+It is built as real accelerator plugins are: a C++ extension (``csrc/``), compiled
+on first use and cached, registers a device guard (current device and stream per
+thread), an allocator whose storages are host memory, the PrivateUse1 hooks (device
+count, pinned host memory, storage resizing), copy kernels (counted as transfers),
+a fallback that runs every other operator's CPU kernel on the same memory, and a
+c10d ``Backend`` that runs collectives with gloo on that memory.
+
+Known differences from a real device: everything runs synchronously on the CPU, so
+streams and events order nothing and a missing synchronisation cannot show up;
+operators run the CPU's kernels (its dtypes, numerics and errors); device random
+numbers come from the CPU generator (no ``torch.Generator("npu")``); collectives
+run on gloo (what gloo lacks fails with gloo's error; ``unsupported_ops`` adds the
+refusals of a real part); ``memory_reserved`` counts bytes allocated on a device since
+its last ``empty_cache``, with no caching and no out-of-memory; pinned memory is
+ordinary host memory that remembers it was pinned. It needs torch >= 2.13 (its
+headers are what the C++ is written against), a C++ compiler and ninja.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any, FrozenSet, Iterable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from comm.testing import _device, _process_group
+from comm.testing import _device, _native, _process_group
 from comm.testing._device import counters, reset_counters
 
 __all__ = ["can_simulate", "counters", "offloaded", "reset_counters", "simulate_accelerator", "simulated_accelerator"]
@@ -38,14 +44,14 @@ _ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any]]] = None
 
 
 def can_simulate() -> bool:
-    """Whether this torch can host the simulated accelerator.
+    """Whether this process can build and host the simulated accelerator.
 
-    The simulation needs torch's Python PrivateUse1 hooks (``torch._C._acc``: present
-    in torch 2.13 and 2.14, absent in 2.1 and 2.6); without them
-    :func:`simulate_accelerator` raises ``RuntimeError``, and test suites can skip
-    what needs it.
+    Its core is C++, compiled on first use: it needs torch >= 2.13 with its C++
+    headers, a C++ compiler and ninja. Where any is missing this is False,
+    :func:`simulate_accelerator` raises ``RuntimeError`` saying which, and test
+    suites can skip what needs it.
     """
-    return _device.hooks_available()
+    return _native.unavailable_reason() is None
 
 
 def simulate_accelerator(
@@ -59,8 +65,10 @@ def simulate_accelerator(
     ``unsupported_ops`` lists reduce ops the backend rejects (``ReduceOp.AVG`` on
     some HCCL parts), to exercise capability gaps. PrivateUse1 can be claimed once
     per process: a second call with the same arguments does nothing, and any other
-    second call, or a call after a real plugin such as ``torch_npu`` was imported,
-    raises ``RuntimeError``.
+    second call, a call after a real plugin such as ``torch_npu`` was imported, or a
+    call where :func:`can_simulate` is False raises ``RuntimeError``. The first call
+    on a machine compiles the C++ core (about a minute on 2 cores); later ones load
+    the cached build.
     """
     global _ACTIVE
     _check_arguments(name, backend, device_count)
@@ -102,8 +110,8 @@ def _check_arguments(name: str, backend: str, device_count: int) -> None:
     ours = _ACTIVE is not None and _ACTIVE[1] == backend
     if backend in dist.Backend.backend_list and not ours:
         raise ValueError(f"backend {backend!r} is already registered with torch.distributed; expected a new name")
-    if isinstance(device_count, bool) or not isinstance(device_count, int) or device_count < 1:
-        raise ValueError(f"device_count must be a positive int, got {device_count!r}")
+    if isinstance(device_count, bool) or not isinstance(device_count, int) or not 1 <= device_count <= 64:
+        raise ValueError(f"device_count must be a positive int, got {device_count!r} (the simulation has up to 64)")
 
 
 def offloaded(tensor: torch.Tensor, mesh: "torch.distributed.device_mesh.DeviceMesh") -> torch.Tensor:

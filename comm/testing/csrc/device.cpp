@@ -1,0 +1,451 @@
+// The simulated accelerator: PrivateUse1 tensors whose storage is host memory.
+//
+// What a real accelerator plugin registers with torch, each piece as small as
+// comm's tests need: a device guard (current device and stream per thread), an
+// allocator, the PrivateUse1 hooks (device count, pinned host memory, storage
+// resizing), copy kernels between the host and the device (counted as transfers),
+// and one fallback kernel that runs every other operator with the CPU kernel on
+// CPU tensors over the same memory, then hands the results back as device tensors.
+#include <array>
+#include <cstring>
+#include <mutex>
+#include <unordered_set>
+#include <vector>
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+
+#include "simulated.h"
+
+namespace comm_sim {
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr c10::DispatchKey kKey = c10::DispatchKey::PrivateUse1;
+
+std::atomic<int> device_count{0};
+thread_local c10::DeviceIndex current_index = 0;
+thread_local std::array<c10::StreamId, kMaxDevices> current_stream{}; // 0: the default stream
+std::atomic<c10::StreamId> next_stream{1};
+// Bytes allocated on each device since its last empty_cache (torch.<name>.memory_reserved).
+std::array<std::atomic<int64_t>, kMaxDevices> reserved{};
+
+c10::DeviceIndex checked(c10::DeviceIndex index) {
+  TORCH_CHECK(
+      index >= 0 && index < device_count.load(),
+      "Invalid device index ", static_cast<int>(index), ": the simulated ",
+      c10::get_privateuse1_backend(), " has ", device_count.load(), " devices");
+  return index;
+}
+
+c10::DeviceIndex index_of(c10::Device device) {
+  return device.has_index() ? checked(device.index()) : current_index;
+}
+
+// ---- device guard -------------------------------------------------------------
+
+c10::Stream make_stream(c10::DeviceIndex index, c10::StreamId id) {
+  return c10::Stream(c10::Stream::UNSAFE, c10::Device(kDevice, index), id);
+}
+
+char event_marker; // every event: work here is synchronous, so each is complete when recorded
+
+struct Guard final : c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return kDevice; }
+  c10::Device exchangeDevice(c10::Device device) const override {
+    c10::Device previous = getDevice();
+    setDevice(device);
+    return previous;
+  }
+  c10::Device getDevice() const override { return {kDevice, current_index}; }
+  void setDevice(c10::Device device) const override { current_index = index_of(device); }
+  void uncheckedSetDevice(c10::Device device) const noexcept override {
+    if (device.has_index()) current_index = device.index();
+  }
+  c10::Stream getStream(c10::Device device) const override {
+    auto index = index_of(device);
+    return make_stream(index, current_stream[index]);
+  }
+  c10::Stream getDefaultStream(c10::Device device) const override { return make_stream(index_of(device), 0); }
+  c10::Stream getStreamFromGlobalPool(c10::Device device, bool) const override { return getNewStream(device, 0); }
+  c10::Stream getNewStream(c10::Device device, int) const override {
+    return make_stream(index_of(device), next_stream++);
+  }
+  c10::Stream exchangeStream(c10::Stream stream) const override {
+    auto index = index_of(stream.device());
+    c10::Stream previous = make_stream(index, current_stream[index]);
+    current_stream[index] = stream.id();
+    return previous;
+  }
+  void record(void** event, const c10::Stream&, c10::DeviceIndex, c10::EventFlag) const override {
+    *event = &event_marker;
+  }
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void synchronizeEvent(void*) const override {}
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeDevice(c10::DeviceIndex) const override {}
+  c10::DeviceIndex deviceCount() const noexcept override { return static_cast<c10::DeviceIndex>(device_count.load()); }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, Guard);
+
+// ---- allocators ---------------------------------------------------------------
+
+void free_host(void* data) { c10::free_cpu(data); }
+
+struct DeviceAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    auto index = current_index;
+    void* data = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
+    reserved[index] += static_cast<int64_t>(nbytes);
+    return {data, data, &free_host, c10::Device(kDevice, index)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_host; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+};
+
+DeviceAllocator device_allocator;
+REGISTER_ALLOCATOR(kDevice, &device_allocator);
+
+// Pinned host memory is plain host memory that remembers it was pinned (is_pinned()).
+std::mutex pinned_mutex;
+std::unordered_set<const void*> pinned;
+
+void free_pinned(void* data) {
+  {
+    std::lock_guard<std::mutex> lock(pinned_mutex);
+    pinned.erase(data);
+  }
+  c10::free_cpu(data);
+}
+
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* data = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
+    std::lock_guard<std::mutex> lock(pinned_mutex);
+    pinned.insert(data);
+    return {data, data, &free_pinned, c10::Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_pinned; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+};
+
+PinnedAllocator pinned_allocator;
+
+// ---- hooks --------------------------------------------------------------------
+
+struct Hooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  void init() const override {}
+  c10::DeviceIndex deviceCount() const override { return static_cast<c10::DeviceIndex>(device_count.load()); }
+  void setCurrentDevice(c10::DeviceIndex index) const override { current_index = checked(index); }
+  c10::DeviceIndex getCurrentDevice() const override { return current_index; }
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex index) const override {
+    auto previous = current_index;
+    current_index = checked(index);
+    return previous;
+  }
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex index) const override { return exchangeDevice(index); }
+  bool isPinnedPtr(const void* data) const override {
+    std::lock_guard<std::mutex> lock(pinned_mutex);
+    return pinned.count(data) > 0;
+  }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return &pinned_allocator; }
+  // untyped_storage().resize_(n): what FSDP2 does to free and refill unsharded parameters.
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) const override {
+    auto* impl = storage.unsafeGetStorageImpl();
+    TORCH_CHECK(impl->resizable(), "Trying to resize storage that is not resizable");
+    c10::DeviceGuard guard(storage.device());
+    c10::DataPtr fresh = device_allocator.allocate(nbytes);
+    auto kept = std::min(nbytes, impl->nbytes());
+    if (kept > 0) std::memcpy(fresh.get(), impl->data(), kept);
+    impl->set_data_ptr_noswap(std::move(fresh));
+    impl->set_nbytes(nbytes);
+  }
+};
+
+Hooks hooks;
+
+// ---- host views ---------------------------------------------------------------
+
+bool on_device(const at::Tensor& tensor) { return tensor.defined() && tensor.device().type() == kDevice; }
+
+void release_storage(void* owner) { delete static_cast<c10::Storage*>(owner); }
+
+// `memory` seen as a storage on `device`, which keeps `memory`'s owner alive.
+c10::Storage storage_over(const c10::Storage& memory, c10::Device device, c10::Allocator* allocator) {
+  c10::DataPtr data(memory.unsafeGetStorageImpl()->mutable_data(), new c10::Storage(memory), &release_storage, device);
+  return c10::Storage(c10::Storage::use_byte_size_t(), memory.nbytes(), std::move(data), allocator, memory.resizable());
+}
+
+at::Tensor tensor_over(c10::Storage storage, c10::DispatchKey key, const at::Tensor& like) {
+  auto tensor = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key), like.dtype());
+  tensor.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
+  return tensor;
+}
+
+// Host views of one operator call's device tensors, and the way back.
+class HostViews {
+ public:
+  at::Tensor to_host(const at::Tensor& tensor) {
+    if (!on_device(tensor)) return tensor;
+    for (auto& [host, device] : tensors_) {
+      if (device.unsafeGetTensorImpl() == tensor.unsafeGetTensorImpl()) return host;
+    }
+    at::Tensor host = tensor_over(to_host(tensor.storage()), c10::DispatchKey::CPU, tensor);
+    tensors_.emplace_back(host, tensor);
+    return host;
+  }
+
+  c10::Storage to_host(const c10::Storage& storage) {
+    for (auto& [host, device] : storages_) {
+      if (device.unsafeGetStorageImpl() == storage.unsafeGetStorageImpl()) return host;
+    }
+    auto host = storage_over(storage, c10::Device(c10::kCPU), c10::GetCPUAllocator());
+    storages_.emplace_back(host, storage);
+    return host;
+  }
+
+  // A result of the CPU kernel: an input itself (in-place and out= operators), a
+  // view of an input's storage, or new memory that the device now owns.
+  at::Tensor to_device(const at::Tensor& result, c10::DeviceIndex index) {
+    if (!result.defined() || result.device().type() != c10::kCPU) return result;
+    for (auto& [host, device] : tensors_) {
+      if (host.unsafeGetTensorImpl() == result.unsafeGetTensorImpl()) return device;
+    }
+    return tensor_over(to_device(result.storage(), index), kKey, result);
+  }
+
+  // Apply what the CPU kernel did to the inputs' metadata and storages (resize_,
+  // set_, as_strided_, out= arguments it resized) to the device tensors.
+  void write_back() {
+    for (auto& [host, device] : storages_) {
+      auto* from = host.unsafeGetStorageImpl();
+      auto* to = device.unsafeGetStorageImpl();
+      if (from->data() != to->data()) { // the CPU kernel reallocated it
+        c10::DataPtr moved = from->set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
+        moved.unsafe_set_device(device.device());
+        reserved[device.device().index()] += static_cast<int64_t>(from->nbytes());
+        to->set_data_ptr_noswap(std::move(moved));
+      }
+      to->set_nbytes(from->nbytes());
+    }
+    for (auto& [host, device] : tensors_) {
+      auto* impl = device.unsafeGetTensorImpl();
+      c10::Storage storage = to_device(host.storage(), device.device().index());
+      if (storage.unsafeGetStorageImpl() != device.storage().unsafeGetStorageImpl()) {
+        impl->set_storage_keep_dtype(std::move(storage));
+      }
+      if (host.sizes() != device.sizes() || host.strides() != device.strides() ||
+          host.storage_offset() != device.storage_offset()) {
+        impl->set_sizes_and_strides(host.sizes(), host.strides(), host.storage_offset());
+      }
+    }
+  }
+
+ private:
+  c10::Storage to_device(const c10::Storage& storage, c10::DeviceIndex index) {
+    for (auto& [host, device] : storages_) {
+      if (host.unsafeGetStorageImpl() == storage.unsafeGetStorageImpl()) return device;
+    }
+    auto device = storage_over(storage, c10::Device(kDevice, index), &device_allocator);
+    reserved[index] += static_cast<int64_t>(storage.nbytes());
+    storages_.emplace_back(storage, device);
+    return device;
+  }
+
+  std::vector<std::pair<c10::Storage, c10::Storage>> storages_; // (host, device)
+  std::vector<std::pair<at::Tensor, at::Tensor>> tensors_; // (host, device)
+};
+
+// ---- kernels ------------------------------------------------------------------
+
+at::Tensor empty_memory_format(
+    c10::IntArrayRef size, std::optional<c10::ScalarType> dtype, std::optional<c10::Layout>,
+    std::optional<c10::Device> device, std::optional<bool>, std::optional<c10::MemoryFormat> memory_format) {
+  c10::OptionalDeviceGuard guard;
+  if (device && device->has_index()) guard.reset_device(*device);
+  return at::detail::empty_generic(
+      size, &device_allocator, c10::DispatchKeySet(kKey), c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor empty_strided(
+    c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<c10::ScalarType> dtype,
+    std::optional<c10::Layout>, std::optional<c10::Device> device, std::optional<bool>) {
+  c10::OptionalDeviceGuard guard;
+  if (device && device->has_index()) guard.reset_device(*device);
+  return at::detail::empty_strided_generic(
+      size, stride, &device_allocator, c10::DispatchKeySet(kKey), c10::dtype_or_default(dtype));
+}
+
+at::Tensor host_or_self(const at::Tensor& tensor) { return on_device(tensor) ? host_view(tensor) : tensor; }
+
+at::Tensor& copy(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
+  if (self.device().type() != src.device().type()) ++transfers;
+  host_or_self(self).copy_(host_or_self(src), non_blocking);
+  return self;
+}
+
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  at::Tensor target = dst;
+  copy(target, self, non_blocking);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  if (dst.sizes() != self.sizes()) dst.resize_(self.sizes());
+  return copy_from(self, dst, false);
+}
+
+// `param.data = tensor.to(device)` (FSDP2 moving parameters): as CUDA's dense
+// tensors do, host and device tensors may swap their data.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense = [](const at::Tensor& t) {
+    return t.layout() == c10::kStrided && (t.device().type() == c10::kCPU || t.device().type() == kDevice);
+  };
+  return dense(self) && dense(from);
+}
+
+// ---- the fallback -------------------------------------------------------------
+
+// Operators that take tensors on two devices: CPU index tensors, as CUDA allows.
+bool mixes_devices(const c10::OperatorName& name) {
+  static const std::unordered_set<std::string> names{"aten::index", "aten::index_put_", "aten::index_put",
+                                                     "aten::_index_put_impl_"};
+  return names.count(name.name) > 0;
+}
+
+void collect_devices(const at::Tensor& tensor, std::vector<c10::Device>& devices) {
+  if (!tensor.defined() || (tensor.device().type() == c10::kCPU && tensor.dim() == 0)) return;
+  // A CPU scalar mixes with accelerator tensors, as on CUDA.
+  if (std::find(devices.begin(), devices.end(), tensor.device()) == devices.end()) devices.push_back(tensor.device());
+}
+
+void check_same_device(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> arguments) {
+  if (mixes_devices(op.schema().operator_name())) return;
+  std::vector<c10::Device> devices;
+  for (const auto& value : arguments) {
+    if (value.isTensor()) {
+      collect_devices(value.toTensor(), devices);
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& tensor : value.toTensorList()) collect_devices(tensor, devices);
+    }
+  }
+  TORCH_CHECK(
+      devices.size() < 2, "Expected all tensors to be on the same device, but found at least two devices, ",
+      devices.size() > 1 ? devices[0] : c10::Device(c10::kCPU), " and ",
+      devices.size() > 1 ? devices[1] : c10::Device(c10::kCPU), "!");
+}
+
+void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t first = stack->size() - schema.arguments().size();
+  check_same_device(op, c10::ArrayRef<c10::IValue>(*stack).slice(first));
+  std::optional<c10::DeviceIndex> index;
+  HostViews views;
+  for (size_t i = first; i < stack->size(); ++i) {
+    c10::IValue& value = (*stack)[i];
+    if (value.isTensor()) {
+      const at::Tensor& tensor = value.toTensor();
+      if (on_device(tensor)) {
+        if (!index) index = tensor.device().index();
+        value = views.to_host(tensor);
+      }
+    } else if (value.isTensorList()) {
+      c10::List<at::Tensor> hosts;
+      for (const at::Tensor& tensor : value.toTensorList()) {
+        if (!index && on_device(tensor)) index = tensor.device().index();
+        hosts.push_back(views.to_host(tensor));
+      }
+      value = hosts;
+    } else if (value.isOptionalTensorList()) {
+      c10::List<std::optional<at::Tensor>> hosts;
+      for (const std::optional<at::Tensor>& tensor : value.toOptionalTensorList()) {
+        hosts.push_back(tensor ? std::optional<at::Tensor>(views.to_host(*tensor)) : std::nullopt);
+      }
+      value = hosts;
+    } else if (value.isDevice() && value.toDevice().type() == kDevice) {
+      if (!index) index = index_of(value.toDevice());
+      value = c10::Device(c10::kCPU);
+    } else if (value.isStorage() && value.toStorage().device().type() == kDevice) {
+      value = views.to_host(value.toStorage());
+    }
+  }
+  auto target = index.value_or(current_index);
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  views.write_back();
+  for (size_t i = stack->size() - schema.returns().size(); i < stack->size(); ++i) {
+    c10::IValue& value = (*stack)[i];
+    if (value.isTensor()) {
+      value = views.to_device(value.toTensor(), target);
+    } else if (value.isTensorList()) {
+      c10::List<at::Tensor> devices;
+      for (const at::Tensor& tensor : value.toTensorList()) devices.push_back(views.to_device(tensor, target));
+      value = devices;
+    }
+  }
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&run_on_host>());
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", empty_memory_format);
+  m.impl("empty_strided", empty_strided);
+  m.impl("copy_", copy);
+  m.impl("_copy_from", copy_from);
+  m.impl("_copy_from_and_resize", copy_from_and_resize);
+  m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
+}
+
+// Structured operators (add, mul, mse_loss, ...) fill every backend's slot with a
+// composite kernel that allocates the output and calls the out= variant. A real
+// plugin registers its own kernels there; this one routes those operators to the
+// CPU's functional kernel through the fallback (one dispatch instead of three).
+void run_on_host_for(const std::vector<std::string>& names) {
+  static torch::Library library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  for (const auto& name : names) library.impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&run_on_host>());
+}
+
+} // namespace
+
+at::Tensor host_view(const at::Tensor& tensor) {
+  return tensor_over(storage_over(tensor.storage(), c10::Device(c10::kCPU), c10::GetCPUAllocator()),
+                     c10::DispatchKey::CPU, tensor);
+}
+
+} // namespace comm_sim
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace comm_sim;
+  m.def("install", [](int count) {
+    TORCH_CHECK(count > 0 && count <= kMaxDevices, "device_count must be in [1, ", kMaxDevices, "]");
+    device_count = count;
+    at::RegisterPrivateUse1HooksInterface(&hooks);
+  });
+  m.def("run_on_host_for", &run_on_host_for);
+  m.def("device_count", []() { return device_count.load(); });
+  m.def("current_device", []() { return static_cast<int>(current_index); });
+  m.def("set_device", [](int index) { current_index = checked(static_cast<c10::DeviceIndex>(index)); });
+  m.def("memory_reserved", [](int index) { return reserved[checked(static_cast<c10::DeviceIndex>(index))].load(); });
+  m.def("empty_cache", [](int index) { reserved[checked(static_cast<c10::DeviceIndex>(index))] = 0; });
+  m.def("counters", []() {
+    return std::map<std::string, int64_t>{{"transfers", transfers.load()}, {"collectives", collectives.load()}};
+  });
+  m.def("reset_counters", []() {
+    transfers = 0;
+    collectives = 0;
+  });
+  m.def("make_backend", &make_backend, pybind11::arg("host"), pybind11::arg("name"),
+        pybind11::arg("unsupported_ops"));
+}
