@@ -1,29 +1,31 @@
-"""What comm costs: the fast path against torch, and what the staging path issues.
+"""What comm costs: every call's fast path against torch, and the staging path against the hand-written fix.
 
-Part 1, two gloo ranks: ``comm.all_reduce`` against ``torch.distributed.all_reduce``
-on CPU tensors of 1, 1K and 1M elements. Batches of the two calls alternate in one
-run call by call (ABBA), so both see the same machine; the table shows each side's
-median per-call time and their ratio, with torch-against-torch as the control.
+Every table times single calls in rotating order: torch's call, comm's call and
+torch's call again (the A/A control: the harness's own noise and bias), one of
+each per round, the order rotating round by round so drift hits all three alike.
+Each row shows the medians and the two ratios against the first torch column.
 
-Part 2, one rank: what comm's fast path itself costs per call, timed with torch's
-collective replaced by a no-op, beside a bare pass-through wrapper. On two ranks
-sharing two cores each 0.1 us spent before a small collective comes back as
-about 3 us of latency, so part 1 shows this cost magnified.
+Part 1, two gloo ranks, 16 floats: each collective and point-to-point call of
+comm against torch's (the fast path).
+Part 2, two gloo ranks: all_reduce at 1, 1 K and 1 M elements.
+Part 3, one rank: what the fast path itself costs per call, around a no-op collective.
+Part 4, two ranks on the simulated NPU (hccl): CPU tensors through comm against
+the hand-written fix (copy to the NPU, torch's collective, copy back), at 1 and
+4,096 elements; the A/A control repeats the hand-written fix.
+Part 5, the simulated NPU: transfers and collectives issued for N CPU tensors.
 
-Part 3, two ranks on the simulated NPU (hccl): N CPU tensors reduced through
-comm; it counts host<->device transfers and collectives issued.
-
-    python benchmarks/overhead.py
+    python benchmarks/overhead.py [--calls N]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
 import timeit
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,45 +35,75 @@ import comm.testing
 
 from _launch import run_ranks
 
-SIZES = (1, 1024, 1024 * 1024)
-CALLS = {1: 10000, 1024: 10000, 1024 * 1024: 3000}  # timed calls per side: 1M calls vary by 35%
+CALLS = 4000  # timed calls per side in parts 1 and 4
+SIZE_CALLS = {1: 10000, 1024: 10000, 1024 * 1024: 3000}  # part 2: 1 M calls vary by 35%
 WARMUP = 50
 DECISION_CALLS, DECISION_REPEATS = 200_000, 7
 TENSOR_COUNTS = (1, 8, 64)
+NPU = {"name": "npu", "backend": "hccl"}
+
+Call = Callable[[], Any]
 
 
-def _time_call(fn: Callable[[torch.Tensor], Any], tensor: torch.Tensor) -> float:
-    start = time.perf_counter()
-    fn(tensor)
-    return time.perf_counter() - start
+def _rotate(sides: Sequence[Call], calls: int) -> List[float]:
+    """Median seconds per call of each side, timed one call each per round in rotating order."""
+    for _ in range(WARMUP):
+        for side in sides:
+            side()
+    times: List[List[float]] = [[] for _ in sides]
+    for index in range(calls):
+        for offset in range(len(sides)):
+            which = (index + offset) % len(sides)
+            start = time.perf_counter()
+            sides[which]()
+            times[which].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
-def _torch_again(tensor: torch.Tensor) -> Any:
-    """torch's own call under another name: the A/A control for the harness's bias."""
-    return dist.all_reduce(tensor)
+def _row(name: str, medians: List[float]) -> Dict[str, Any]:
+    reference, candidate, control = medians
+    return {"name": name, "torch_us": reference * 1e6, "comm_us": candidate * 1e6,
+            "ratio": candidate / reference, "control": control / reference}
 
 
-def fast_path(rank: int) -> List[Dict[str, float]]:
-    return _compare(comm.all_reduce) + _compare(_torch_again)
+def _calls(module: Any, rank: int, numel: int) -> Dict[str, Call]:
+    """One call per wrapper, made with ``module`` (torch.distributed or comm) on prepared tensors."""
+    size, peer = dist.get_world_size(), 1 - rank
+    x, y = torch.ones(numel), torch.zeros(numel)
+    pieces, outputs = list(torch.ones(numel * size).chunk(size)), [torch.zeros(numel) for _ in range(size)]
+    big = torch.zeros(numel * size)
+    op_class = comm.P2POp if module is comm else dist.P2POp
+    batch = [op_class(module.isend, x, peer), op_class(module.irecv, y, peer)]
+    return {
+        "all_reduce": lambda: module.all_reduce(x),
+        "broadcast": lambda: module.broadcast(x, src=0),
+        "reduce": lambda: module.reduce(x, dst=0),
+        "all_gather": lambda: module.all_gather(outputs, x),
+        "all_gather_into_tensor": lambda: module.all_gather_into_tensor(big, x),
+        "reduce_scatter_tensor": lambda: module.reduce_scatter_tensor(y, big),
+        "reduce_scatter": lambda: module.reduce_scatter(y, pieces),
+        "gather": lambda: module.gather(x, outputs if rank == 0 else None, dst=0),
+        "scatter": lambda: module.scatter(y, pieces if rank == 0 else None, src=0),
+        "all_to_all": lambda: module.all_to_all(outputs, pieces),
+        "all_to_all_single": lambda: module.all_to_all_single(big, torch.ones(numel * size)),
+        "barrier": lambda: module.barrier(),
+        "send / recv": lambda: module.send(x, peer) if rank == 0 else module.recv(y, peer),
+        "isend / irecv": lambda: (module.isend(x, peer) if rank == 0 else module.irecv(y, peer)).wait(),
+        "batch_isend_irecv": lambda: [work.wait() for work in module.batch_isend_irecv(batch)],
+    }
 
 
-def _compare(candidate: Callable[[torch.Tensor], Any]) -> List[Dict[str, float]]:
-    """Alternate single calls (ABBA), so drift hits both sides alike; compare medians."""
+def every_call(rank: int, calls: int) -> List[Dict[str, Any]]:
+    torch_calls, comm_calls = _calls(dist, rank, 16), _calls(comm, rank, 16)
+    return [_row(name, _rotate([call, comm_calls[name], call], calls)) for name, call in torch_calls.items()]
+
+
+def all_reduce_sizes(rank: int) -> List[Dict[str, Any]]:
     rows = []
-    for size in SIZES:
-        tensor = torch.ones(size)
-        calls = CALLS[size]
-        for _ in range(WARMUP):
-            _time_call(dist.all_reduce, tensor)
-            _time_call(candidate, tensor)
-        torch_times, candidate_times = [], []
-        for index in range(calls):
-            pair = [(dist.all_reduce, torch_times), (candidate, candidate_times)]
-            for fn, times in pair if index % 2 == 0 else reversed(pair):
-                times.append(_time_call(fn, tensor))
-        torch_median, candidate_median = statistics.median(torch_times), statistics.median(candidate_times)
-        rows.append({"candidate": candidate.__name__, "elements": size, "torch_us": torch_median * 1e6,
-                     "comm_us": candidate_median * 1e6, "ratio": candidate_median / torch_median})
+    for numel, calls in SIZE_CALLS.items():
+        tensor = torch.ones(numel)
+        sides = [functools.partial(fn, tensor) for fn in (dist.all_reduce, comm.all_reduce, dist.all_reduce)]
+        rows.append(_row(f"{numel}", _rotate(sides, calls)))
     return rows
 
 
@@ -87,7 +119,7 @@ def decision_cost(rank: int) -> Dict[str, float]:
 
     tensor = torch.ones(1)
     comm.all_reduce(tensor)  # the first call resolves the group; later ones take the fast path
-    comm.collectives._torch_all_reduce = no_collective
+    comm.collectives._TORCH.all_reduce = no_collective
     names = {"no-op": no_collective, "bare wrapper": bare_wrapper, "comm": comm.all_reduce}
     return {name: _ns_per_call(fn, tensor) for name, fn in names.items()}
 
@@ -98,15 +130,48 @@ def _ns_per_call(fn: Callable[[torch.Tensor], Any], tensor: torch.Tensor) -> flo
     return min(timings) / DECISION_CALLS * 1e9
 
 
-def staging_counts(rank: int) -> List[Dict[str, float]]:
+def _by_hand(rank: int, numel: int) -> Dict[str, Call]:
+    """The fix comm replaces, written out: copy onto the NPU, torch's collective, copy back."""
+    device = comm.current_device()
+    x, out = torch.ones(numel), torch.zeros(numel * dist.get_world_size())
+
+    def all_reduce() -> None:
+        staged = x.to(device)
+        dist.all_reduce(staged)
+        x.copy_(staged)
+
+    def broadcast() -> None:
+        staged = x.to(device) if rank == 0 else torch.empty(numel, device=device)
+        dist.broadcast(staged, src=0)
+        if rank != 0:
+            x.copy_(staged)
+
+    def all_gather_into_tensor() -> None:
+        staged_out = torch.empty(out.shape, device=device)
+        dist.all_gather_into_tensor(staged_out, x.to(device))
+        out.copy_(staged_out)
+
+    return {"all_reduce": all_reduce, "broadcast": broadcast, "all_gather_into_tensor": all_gather_into_tensor,
+            "comm all_reduce": lambda: comm.all_reduce(x), "comm broadcast": lambda: comm.broadcast(x, src=0),
+            "comm all_gather_into_tensor": lambda: comm.all_gather_into_tensor(out, x)}
+
+
+def staged_against_by_hand(rank: int, calls: int) -> List[Dict[str, Any]]:
+    rows = []
+    for numel in (1, 4096):
+        sides = _by_hand(rank, numel)
+        for name in ("all_reduce", "broadcast", "all_gather_into_tensor"):
+            rows.append(_row(f"{name} {numel}", _rotate([sides[name], sides[f"comm {name}"], sides[name]], calls)))
+    return rows
+
+
+def staging_counts(rank: int) -> List[Dict[str, Any]]:
     rows = []
     for count in TENSOR_COUNTS:
         tensors = [torch.full((256,), float(rank)) for _ in range(count)]
         dist.barrier()
         comm.testing.reset_counters()
-        start = time.perf_counter()
         comm.all_reduce_coalesced(tensors)
-        seconds = time.perf_counter() - start
         counted = comm.testing.counters()
         correct = all(torch.equal(t, torch.full((256,), 1.0)) for t in tensors)
         comm.testing.reset_counters()
@@ -115,27 +180,38 @@ def staging_counts(rank: int) -> List[Dict[str, float]]:
         one_by_one = comm.testing.counters()
         rows.append({"tensors": count, "transfers": counted["transfers"], "collectives": counted["collectives"],
                      "one_by_one_transfers": one_by_one["transfers"],
-                     "one_by_one_collectives": one_by_one["collectives"], "ms": seconds * 1e3, "correct": correct})
+                     "one_by_one_collectives": one_by_one["collectives"], "correct": correct})
     return rows
 
 
+def _print_rows(title: str, label: str, rows: List[Dict[str, Any]], reference: str, candidate: str) -> None:
+    print(f"\n{title}")
+    print(f"{label:>28} {reference:>12} {candidate:>12} {'ratio':>7} {'A/A':>7}")
+    for row in rows:
+        print(f"{row['name']:>28} {row['torch_us']:>12.1f} {row['comm_us']:>12.1f} {row['ratio']:>7.3f} "
+              f"{row['control']:>7.3f}")
+
+
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, 2 ranks; medians of single calls taken in ABBA order")
-    print("\nFast path: each candidate vs torch.distributed.all_reduce (CPU tensors, gloo);")
-    print("the torch-vs-torch rows are the A/A control: the harness's own noise and bias")
-    print(f"{'candidate':>12} {'elements':>10} {'torch us/call':>14} {'candidate us/call':>18} {'ratio':>7}")
-    for row in run_ranks(fast_path):
-        name = "comm" if row["candidate"] == "all_reduce" else "torch again"
-        print(f"{name:>12} {row['elements']:>10} {row['torch_us']:>14.1f} {row['comm_us']:>18.1f} {row['ratio']:>7.3f}")
-    print("\nThe fast path's own cost: ns per call around a no-op collective (timeit, best of 7)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=CALLS, help="timed calls per side in parts 1 and 4")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, 2 ranks; medians of single calls in rotating order "
+          "(torch, comm, torch again); ratio = comm / torch, A/A = torch again / torch")
+    _print_rows(f"Fast path, 16 floats on gloo, {args.calls} calls per side", "call",
+                run_ranks(functools.partial(every_call, calls=args.calls)), "torch us", "comm us")
+    _print_rows("all_reduce on gloo by size", "elements", run_ranks(all_reduce_sizes), "torch us", "comm us")
     costs = run_ranks(decision_cost, world_size=1)
+    print("\nThe fast path's own cost: ns per call around a no-op collective (timeit, best of 7)")
     print("  " + ", ".join(f"{name} {ns:.0f} ns" for name, ns in costs.items())
           + f"; comm over the bare wrapper: {costs['comm'] - costs['bare wrapper']:+.0f} ns")
+    staged = run_ranks(functools.partial(staged_against_by_hand, calls=args.calls), backend="hccl", simulate=NPU)
+    _print_rows(f"Staging path: CPU tensors on the simulated NPU's hccl group, {args.calls} calls per side",
+                "call, elements", staged, "by hand us", "comm us")
     print("\nStaging path: N CPU tensors of 256 floats on the simulated NPU's hccl group")
     print(f"{'tensors':>8} {'coalesced: transfers':>21} {'collectives':>12} {'one by one: transfers':>22} "
           f"{'collectives':>12} {'correct':>8}")
-    for row in run_ranks(staging_counts, backend="hccl", simulate={"name": "npu", "backend": "hccl"}):
+    for row in run_ranks(staging_counts, backend="hccl", simulate=NPU):
         print(f"{row['tensors']:>8} {row['transfers']:>21} {row['collectives']:>12} "
               f"{row['one_by_one_transfers']:>22} {row['one_by_one_collectives']:>12} {str(row['correct']):>8}")
 

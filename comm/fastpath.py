@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, FrozenSet, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,13 +36,15 @@ def _no_group() -> object:
     return _no_group
 
 
-_NOTHING: Tuple[Callable[[], object], Optional[_GroupInfo]] = (_no_group, None)
+_Memo = Tuple[Callable[[], object], Optional[_GroupInfo], bool, bool, FrozenSet[str]]
+_NOTHING: _Memo = (_no_group, None, False, False, frozenset())
 # The last group any call resolved (on any thread), by weak reference, with what it
-# serves. With it, the next call on the same group decides its fast path in one
-# function call: on two ranks sharing two cores, every 0.1 us spent before a small
-# collective comes back as about 3 us of latency (benchmarks/overhead.py).
-# Replaced whole, so a reader never sees half of it.
-_last: Tuple[Callable[[], object], Optional[_GroupInfo]] = _NOTHING
+# serves (the info, and its serves_cpu, serves_cuda and device_types unpacked, as
+# reading a NamedTuple's fields costs more). With it, the next call on the same group
+# decides its fast path in one function call: on two ranks sharing two cores, every
+# 0.1 us spent before a small collective comes back as about 3 us of latency
+# (benchmarks/overhead.py). Replaced whole, so a reader never sees half of it.
+_last: _Memo = _NOTHING
 
 
 def fast_group(group: Optional[dist.ProcessGroup], tensor: Any, other: Any = None) -> Optional[_GroupInfo]:
@@ -51,29 +53,24 @@ def fast_group(group: Optional[dist.ProcessGroup], tensor: Any, other: Any = Non
     None means "take the slow path": the group is not the memo's (or not yet
     known), an argument is not a plain tensor, or a tensor's device is not served.
     """
-    ref, info = _last
+    ref, info, cpu, cuda, types = _last
     if ref() is not (_world._default_pg if group is None else group):
-        info = _recall(group)
-    if info is None or type(tensor) is not _Tensor:
+        ref, info, cpu, cuda, types = _recall(group)
+    if type(tensor) is not _Tensor or not (cpu if tensor.is_cpu else cuda if tensor.is_cuda
+                                           else tensor.device.type in types):
         return None
-    if not (info.serves_cpu if tensor.is_cpu else info.serves_cuda if tensor.is_cuda
-            else tensor.device.type in info.device_types):
-        return None
-    if other is not None and not (
-        type(other) is _Tensor
-        and (info.serves_cpu if other.is_cpu else info.serves_cuda if other.is_cuda
-             else other.device.type in info.device_types)
-    ):
-        return None
-    return info
+    if other is None or type(other) is _Tensor and (cpu if other.is_cpu else cuda if other.is_cuda
+                                                    else other.device.type in types):
+        return info
+    return None
 
 
 def known_group(group: Optional[dist.ProcessGroup]) -> Optional[_GroupInfo]:
     """What the group serves, if comm has resolved it before; else None (take the slow path)."""
-    ref, info = _last
-    if ref() is not (_world._default_pg if group is None else group):
-        info = _recall(group)
-    return info
+    memo = _last
+    if memo[0]() is not (_world._default_pg if group is None else group):
+        memo = _recall(group)
+    return memo[1]
 
 
 def fast_list(info: _GroupInfo, tensors: Any, numel: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> bool:
@@ -91,15 +88,13 @@ def fast_list(info: _GroupInfo, tensors: Any, numel: Optional[int] = None, dtype
     return True
 
 
-def _recall(group: Optional[dist.ProcessGroup]) -> Optional[_GroupInfo]:
-    """A group comm already knows, made the memo; None for one it has not resolved yet."""
+def _recall(group: Optional[dist.ProcessGroup]) -> _Memo:
+    """A group comm already knows, made the memo; nothing for one it has not resolved yet."""
     pg = _world._default_pg if group is None else group
     if not isinstance(pg, dist.ProcessGroup):
-        return None
+        return _NOTHING
     info: Optional[_GroupInfo] = _GROUP_INFO.get(pg)
-    if info is not None:
-        _remember(pg, info)
-    return info
+    return _NOTHING if info is None else _remember(pg, info)
 
 
 def slow_path(name: str, group: Optional[dist.ProcessGroup], run: Callable[..., Any], *args: Any) -> Any:
@@ -121,9 +116,10 @@ def slow_path(name: str, group: Optional[dist.ProcessGroup], run: Callable[..., 
     return run(pg, info, *args)
 
 
-def _remember(pg: dist.ProcessGroup, info: _GroupInfo) -> None:
+def _remember(pg: dist.ProcessGroup, info: _GroupInfo) -> _Memo:
     global _last
-    _last = (weakref.ref(pg, _forget), info)
+    _last = (weakref.ref(pg, _forget), info, info.serves_cpu, info.serves_cuda, info.device_types)
+    return _last
 
 
 def served(info: _GroupInfo, tensors: Sequence[torch.Tensor]) -> bool:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from comm.arguments import check_peer, check_tensor
+from comm.arguments import check_peer, check_tensor, given
 from comm.backend import _GroupInfo
 from comm.fastpath import fast_group, served, slow_path
 from comm.observability import call_counter
@@ -82,8 +82,8 @@ def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.
 class P2POp(dist.P2POp):
     """torch's ``P2POp``, which also accepts ``comm.isend`` and ``comm.irecv`` as its ``op``.
 
-    Either class goes to :func:`batch_isend_irecv` (comm's or, under
-    ``comm.patch()``, torch's).
+    It stores the isend or irecv that torch's ``batch_isend_irecv`` compares
+    ``op`` against, so either batch function (comm's or torch's) takes it as is.
     """
 
     def __new__(cls, op: Callable[..., Any], tensor: torch.Tensor, peer: Optional[int] = None,
@@ -92,6 +92,10 @@ class P2POp(dist.P2POp):
         check_tensor(tensor, "tensor")
         return object.__new__(cls)
 
+    def __init__(self, op: Callable[..., Any], tensor: torch.Tensor, peer: Optional[int] = None,
+                 group: Optional[dist.ProcessGroup] = None, tag: int = 0, group_peer: Optional[int] = None) -> None:
+        super().__init__(_current(op), tensor, peer, group, tag, **given(group_peer=group_peer))
+
 
 def batch_isend_irecv(p2p_op_list: List[dist.P2POp]) -> List[Work]:
     """Start every send and receive of ``p2p_op_list`` as one batch; return their work handles, as torch does.
@@ -99,6 +103,9 @@ def batch_isend_irecv(p2p_op_list: List[dist.P2POp]) -> List[Work]:
     Where torch coalesces the batch into fewer works (NCCL), each handle comm
     returns waits for the whole batch and writes back every staged receive.
     """
+    if _fast_batch(p2p_op_list):
+        _COUNT.batch_isend_irecv()
+        return list(_TORCH.batch_isend_irecv(p2p_op_list))
     ops = _check_ops(p2p_op_list)
     works: Optional[List[Work]] = slow_path("batch_isend_irecv", ops[0].group, _batch, ops)
     return [] if works is None else works  # not in the group: torch starts nothing either
@@ -131,6 +138,19 @@ def _whole_batch(works: List[Any], handles: List[DeferredWork]) -> DeferredWork:
             handle.wait()
 
     return DeferredWork(works, write_all, [], lambda: "")
+
+
+def _fast_batch(ops: Any) -> bool:
+    """Whether torch can take the batch as it is: ops built with its current isend/irecv, on served tensors."""
+    if type(ops) is not list or not ops or not isinstance(ops[0], dist.P2POp):
+        return False
+    group, send, receive = ops[0].group, c10d.isend, c10d.irecv
+    for op in ops:
+        if not isinstance(op, dist.P2POp) or not (op.op is send or op.op is receive) or op.group is not group:
+            return False
+        if fast_group(group, op.tensor) is None:
+            return False
+    return True
 
 
 def _fast_peer(group: Optional[dist.ProcessGroup], tensor: Any, peer: Any, group_peer: Optional[int],
@@ -209,7 +229,12 @@ def _for_torch(op: dist.P2POp, tensor: torch.Tensor) -> dist.P2POp:
     function: a stand-in under ``comm.patch()``), so an op built with comm's or
     torch's original function is rebuilt.
     """
-    current = c10d.isend if _direction(op.op, "op") == "send" else c10d.irecv
+    current = _current(op.op)
     if op.op is current and tensor is op.tensor:
         return op
     return dist.P2POp(current, tensor, op.peer, op.group, op.tag)
+
+
+def _current(op: Any) -> Callable[..., Any]:
+    """The isend or irecv (per ``op``'s direction) that torch's module holds now: a stand-in under the patch."""
+    return c10d.isend if _direction(op, "op") == "send" else c10d.irecv

@@ -267,12 +267,9 @@ def _describe(moves: List[Tuple[int, torch.device, torch.device]]) -> str:
 
 
 def _pieces(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Views of consecutive pieces of ``flat`` shaped like ``like``."""
-    pieces, offset = [], 0
-    for tensor in like:
-        pieces.append(flat[offset : offset + tensor.numel()].view(tensor.shape))
-        offset += tensor.numel()
-    return pieces
+    """Views of consecutive pieces of ``flat`` shaped like ``like``: one split, and a view only where shaped."""
+    pieces = torch.split(flat, [t.numel() for t in like])
+    return [piece if t.dim() == 1 else piece.view(t.shape) for piece, t in zip(pieces, like)]
 
 
 def _writer(name: str, restores: List[_Restore], divided: List[torch.Tensor], divisor: int) -> Callable[[], None]:

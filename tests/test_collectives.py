@@ -172,7 +172,29 @@ def _cpu_tensors_on_simulated_hccl(rank, world_size):
     future = comm.all_reduce(torch.ones(3), async_op=True).get_future()
     if not torch.equal(future.wait()[0], torch.full((3,), float(world_size))):
         differences.append("get_future result differs")
-    return differences
+    return differences + _object_collectives(rank, world_size)
+
+
+def _object_collectives(rank, world_size):
+    """torch's object collectives on the hccl group, unpatched: they serialise onto the device themselves."""
+    problems = []
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, {"rank": rank})
+    if everyone != [{"rank": r} for r in range(world_size)]:
+        problems.append(f"all_gather_object: {everyone}")
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(("from", rank), gathered, dst=0)
+    if rank == 0 and gathered != [("from", r) for r in range(world_size)]:
+        problems.append(f"gather_object: {gathered}")
+    sent = [f"sent by {rank}", rank * 10]
+    dist.broadcast_object_list(sent, src=1)
+    if sent != ["sent by 1", 10]:
+        problems.append(f"broadcast_object_list: {sent}")
+    received = [None]
+    dist.scatter_object_list(received, [r * r for r in range(world_size)] if rank == 0 else None, src=0)
+    if received != [rank * rank]:
+        problems.append(f"scatter_object_list: {received}")
+    return problems
 
 
 def test_cpu_tensors_on_simulated_hccl():

@@ -46,3 +46,70 @@ def test_staging_device_without_bound_group():
 def test_staging_device_rejects_non_tensors():
     with pytest.raises(TypeError, match="tensor must be a torch.Tensor"):
         comm.staging_device([1.0])
+
+
+def _device_ops(call):
+    """The operators ``call`` runs on simulated-device tensors, by name, counted."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    seen = Counter()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            if any(t.device.type == "npu" for t in tensors):
+                seen[str(func.overloadpacket)] += 1
+            return out
+
+    with Record():
+        call()
+    return seen
+
+
+def _by_hand_and_through_comm(rank, world_size):
+    """What the fix comm replaces issues on the device (copy in, collective, copy back), against comm."""
+    device = comm.current_device()
+    x, out, outs = torch.ones(5), torch.zeros(5 * world_size), [torch.zeros(5) for _ in range(world_size)]
+
+    def all_reduce():
+        staged = x.to(device)
+        dist.all_reduce(staged)
+        x.copy_(staged)
+
+    def broadcast():
+        staged = x.to(device) if rank == 0 else torch.empty(5, device=device)
+        dist.broadcast(staged, src=0)
+        if rank != 0:
+            x.copy_(staged)
+
+    def all_gather_into_tensor():
+        staged = torch.empty(out.shape, device=device)
+        dist.all_gather_into_tensor(staged, x.to(device))
+        out.copy_(staged)
+
+    def all_gather():  # one transfer back, then pieces cut on the host
+        staged = torch.empty(5 * world_size, device=device)
+        dist.all_gather_into_tensor(staged, x.to(device))
+        for target, piece in zip(outs, staged.cpu().chunk(world_size)):
+            target.copy_(piece)
+
+    cases = {
+        "all_reduce": (all_reduce, lambda: comm.all_reduce(x)),
+        "broadcast": (broadcast, lambda: comm.broadcast(x, src=0)),
+        "all_gather_into_tensor": (all_gather_into_tensor, lambda: comm.all_gather_into_tensor(out, x)),
+        "all_gather": (all_gather, lambda: comm.all_gather(outs, x)),
+    }
+    comm.all_reduce(torch.ones(1))  # resolve the group first: the first call looks it up once
+    return {name: (_device_ops(by_hand), _device_ops(through_comm)) for name, (by_hand, through_comm) in cases.items()}
+
+
+def test_a_staged_call_issues_no_device_operation_the_hand_written_fix_does_not():
+    for seen in run_ranks(_by_hand_and_through_comm, 2, backend="hccl", simulate=NPU):
+        for name, (by_hand, through_comm) in seen.items():
+            assert sum(by_hand.values()) > 0, name
+            extra = through_comm - by_hand
+            assert not extra, f"{name}: comm also runs {dict(extra)} on the device (by hand: {dict(by_hand)})"
