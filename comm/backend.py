@@ -200,13 +200,20 @@ def _group_info(group: dist.ProcessGroup) -> _GroupInfo:
 
 
 def _lookup_group_info(group: dist.ProcessGroup) -> _GroupInfo:
-    config = _backend_config(group)
-    backends = _backends_by_device(config)
-    types = frozenset(d.type for d in getattr(group, "_device_types", ())) or frozenset(backends)
-    if not types:
-        raise RuntimeError(f"cannot tell which device types process group {group!r} serves")
+    backends = _backends_by_device(_backend_config(group))
+    types = _served_types(group, backends)
     ranks = {rank: index for index, rank in enumerate(dist.get_process_group_ranks(group))}
     return _GroupInfo(types, backends, group.size(), ranks, group.rank(), "cpu" in types, "cuda" in types)
+
+
+def _served_types(group: dist.ProcessGroup, backends: Optional[Dict[str, str]] = None) -> FrozenSet[str]:
+    """The device types ``group`` serves: its registered backends', else its backend config's."""
+    types = frozenset(d.type for d in getattr(group, "_device_types", ()))
+    if not types:
+        types = frozenset(_backends_by_device(_backend_config(group)) if backends is None else backends)
+    if not types:
+        raise RuntimeError(f"cannot tell which device types process group {group!r} serves")
+    return types
 
 
 def _resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:

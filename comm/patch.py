@@ -3,7 +3,9 @@
 ``comm.patch()`` puts comm's collectives (and ``clip_grad_norm_``) in place of
 torch's own, in every module torch exposes them from, so an existing trainer or a
 library (DeepSpeed, Accelerate, Lightning, torchmetrics) works unchanged when its
-tensors are on a device the group's backend does not serve.
+tensors are on a device the group's backend does not serve. For DTensor's
+functional collectives it registers CPU kernels (:mod:`comm.functional`) while a
+group that does not serve the CPU exists; it watches group creation for that.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
-from comm import collectives, exchange, norm, p2p
+from comm import collectives, exchange, functional, norm, p2p
 
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
 
@@ -30,6 +33,9 @@ _WRAPPERS = {
     if name != "P2POp" and hasattr(dist, name)
 }
 _CLIP_MODULES = ("torch.nn.utils", "torch.nn.utils.clip_grad")
+# Where c10d creates every group: watched while patched, to register comm's functional
+# kernels when a group that does not serve the CPU appears.
+_C10D, _CREATE_GROUP = "torch.distributed.distributed_c10d", "_new_process_group_helper"
 
 _LOCK = threading.RLock()
 # (module name, attribute) -> torch's original object, for each attribute replaced.
@@ -50,14 +56,17 @@ def patch(clip_grad_norm: bool = True) -> None:
     with _LOCK:
         for module_name, name, replacement in _targets(clip_grad_norm):
             _install(module_name, name, replacement)
+        if not hasattr(c10d, _CREATE_GROUP) or any(functional.needed(g) for g in list(c10d._world.pg_map)):
+            functional.register()  # (without the hook to watch, for every group to come as well)
 
 
 def unpatch() -> None:
-    """Put back torch's exact original objects. A no-op when nothing is patched."""
+    """Put back torch's exact original objects and remove comm's kernels. A no-op when nothing is patched."""
     with _LOCK:
         for (module_name, name), original in list(_ORIGINALS.items()):
             setattr(importlib.import_module(module_name), name, original)
             del _ORIGINALS[(module_name, name)]
+        functional.unregister()
 
 
 def is_patched() -> bool:
@@ -79,13 +88,25 @@ def patched(clip_grad_norm: bool = True) -> Iterator[None]:
             for key in added & set(_ORIGINALS):  # unpatch() inside the block restored the rest
                 module_name, name = key
                 setattr(importlib.import_module(module_name), name, _ORIGINALS.pop(key))
+            if not _ORIGINALS:
+                functional.unregister()
 
 
 def _targets(clip_grad_norm: bool) -> List[Tuple[str, str, Callable[..., Any]]]:
     targets = [(m, name, wrapper) for m in _COLLECTIVE_MODULES for name, wrapper in _WRAPPERS.items()]
     if clip_grad_norm:
         targets += [(m, "clip_grad_norm_", norm.clip_grad_norm_) for m in _CLIP_MODULES]
+    if hasattr(c10d, _CREATE_GROUP):
+        targets.append((_C10D, _CREATE_GROUP, _create_group))
     return targets
+
+
+def _create_group(*args: Any, **kwargs: Any) -> Any:
+    """c10d's own group creation, then comm's functional kernels if the new group needs them."""
+    created = _ORIGINALS[(_C10D, _CREATE_GROUP)](*args, **kwargs)
+    if functional.needed(created[0]):  # (the group, its store)
+        functional.register()
+    return created
 
 
 def _install(module_name: str, name: str, replacement: Callable[..., Any]) -> None:

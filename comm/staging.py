@@ -175,8 +175,9 @@ class Staging:
         Coalescing: one collective for many tensors, even served ones; a single
         served contiguous tensor is used as it is.
         """
-        if len(tensors) == 1 and tensors[0].is_contiguous() and device_type(tensors[0]) in self._info.device_types:
-            return self.receive(tensors[0])
+        single = tensors[0]
+        if len(tensors) == 1 and (single.is_contiguous() or device_type(single) not in self._info.device_types):
+            return self.receive(single, reads=True)  # itself where served, else a copy of its shape
         flat = self._flat_copy(tensors, self.where(tensors[0]))
         self._write_back_later(flat, tensors, None)
         return flat
@@ -296,7 +297,8 @@ def _writer(name: str, restores: List[_Restore], divided: List[torch.Tensor], di
 def _write_back(buffer: torch.Tensor, targets: List[torch.Tensor], starts: Optional[List[int]]) -> None:
     """Copy ``buffer`` into ``targets``: one transfer, then views of host memory where there are several."""
     if len(targets) == 1 and starts is None:
-        targets[0].copy_(buffer)  # the buffer has the target's shape: one copy, no view of device memory
+        target = targets[0]  # one copy; a view of device memory only for a flat buffer
+        target.copy_(buffer if buffer.shape == target.shape else buffer.view(target.shape))
         return
     flat = buffer if buffer.device == targets[0].device else buffer.to(targets[0].device)
     if starts is None:

@@ -6,6 +6,7 @@ import threading
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 
 def add_note(error: BaseException, note: str) -> None:
@@ -16,12 +17,14 @@ def add_note(error: BaseException, note: str) -> None:
         error.__notes__ = [*getattr(error, "__notes__", []), note]
 
 
-class DeferredWork:
+class DeferredWork(dist.Work):
     """The work handle of a collective ``comm`` must finish: copy back, divide for AVG.
 
-    Behaves like torch's work object: ``wait()`` waits and then writes the results
-    into the caller's tensors; ``is_completed()`` is True only once they are
-    there; ``get_future()`` completes after the write-back.
+    A ``torch.distributed.Work``, as torch's own calls return: ``wait()`` waits
+    and then writes the results into the caller's tensors (and raises what the
+    collective or the write-back raised); ``is_completed()`` is True only once
+    they are there; ``get_future()`` completes after the write-back. Being a c10d
+    work, it can stand behind a functional collective's ``wait_tensor``.
 
     It must hold no reference to the process group: ``get_future()``'s callback
     runs on a backend thread, and if that thread dropped the group's last
@@ -31,6 +34,7 @@ class DeferredWork:
 
     def __init__(self, works: Sequence[Any], finish: Callable[[], None], outputs: List[torch.Tensor],
                  note: Callable[[], str]) -> None:
+        super().__init__()
         self._works = list(works)
         self._finish = finish
         self._outputs = outputs
@@ -72,7 +76,8 @@ class DeferredWork:
         return self._outputs
 
     def get_future(self) -> torch.futures.Future[List[torch.Tensor]]:
-        inner = torch.futures.collect_all([work.get_future() for work in self._works])
+        """A future that completes once the results are written back."""
+        inner = torch.futures.collect_all([_future_of(work) for work in self._works])
         return inner.then(self._finish_future)
 
     def _source_rank(self) -> int:
@@ -91,3 +96,22 @@ class DeferredWork:
             if not self._finished:
                 self._finish()
                 self._finished = True
+
+
+def _future_of(work: Any) -> torch.futures.Future[Any]:
+    """``work``'s future; where the backend gives its work none (gloo's reduce-scatter), a completed one, after
+    waiting for the work (or holding its error)."""
+    try:
+        future: torch.futures.Future[Any] = work.get_future()
+        return future
+    except RuntimeError as missing:
+        if "not implemented" not in str(missing):
+            raise
+    done: torch.futures.Future[Any] = torch.futures.Future()
+    try:
+        work.wait()
+    except BaseException as error:  # noqa: BLE001 - the future carries it to whoever waits
+        done.set_exception(error)
+    else:
+        done.set_result(None)
+    return done
