@@ -23,7 +23,7 @@ accelerator tensor on a group that does not serve its device still fails.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -106,13 +106,13 @@ def _await(tensors: Sequence[torch.Tensor], work: Any) -> None:
         torch._C._distributed_c10d._register_work(tensor, work)
 
 
-def _kernel(op: Any, staged: Callable[..., Any], group_at: int) -> Callable[..., Any]:
+def _kernel(op: Any, staged: Callable[..., Any]) -> Callable[..., Any]:
     """A CPU kernel for ``op``: torch's own kernel where the group serves the CPU, else ``staged``.
 
     ``staged(pg, *args, **kwargs)`` starts comm's collective and returns the op's
-    outputs, each with its work registered for ``wait_tensor``; ``group_at`` is
-    the position of the group name in ``op``'s arguments.
+    outputs, each with its work registered for ``wait_tensor``.
     """
+    group_at = [argument.name for argument in op._schema.arguments].index("group_name")
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         pg = _group(args[group_at])
@@ -217,24 +217,12 @@ def _broadcast_(pg: dist.ProcessGroup, input: torch.Tensor, src: int, group_name
     return input
 
 
-# op name -> comm's form, and the position of the group name in the op's arguments.
-_STAGED: Dict[str, Tuple[Callable[..., Any], int]] = {
-    "all_reduce": (_all_reduce, 2),
-    "all_reduce_": (_all_reduce_, 2),
-    "all_reduce_coalesced": (_all_reduce_coalesced, 2),
-    "all_reduce_coalesced_": (_all_reduce_coalesced_, 2),
-    "all_gather_into_tensor": (_all_gather_into_tensor, 2),
-    "all_gather_into_tensor_out": (_all_gather_into_tensor_out, 2),
-    "all_gather_into_tensor_coalesced": (_all_gather_into_tensor_coalesced, 2),
-    "reduce_scatter_tensor": (_reduce_scatter_tensor, 3),
-    "reduce_scatter_tensor_out": (_reduce_scatter_tensor_out, 3),
-    "reduce_scatter_tensor_coalesced": (_reduce_scatter_tensor_coalesced, 3),
-    "all_to_all_single": (_all_to_all_single, 3),
-    "broadcast": (_broadcast, 2),
-    "broadcast_": (_broadcast_, 2),
-}
+# comm's form of each op, named for it ("_all_reduce_" for all_reduce_); ops this torch lacks are left out.
 _KERNELS = {
-    name: _kernel(getattr(_OPS, name).default, staged, group_at)
-    for name, (staged, group_at) in _STAGED.items()
-    if hasattr(_OPS, name)
+    staged.__name__[1:]: _kernel(getattr(_OPS, staged.__name__[1:]).default, staged)
+    for staged in (_all_reduce, _all_reduce_, _all_reduce_coalesced, _all_reduce_coalesced_, _all_gather_into_tensor,
+                   _all_gather_into_tensor_out, _all_gather_into_tensor_coalesced, _reduce_scatter_tensor,
+                   _reduce_scatter_tensor_out, _reduce_scatter_tensor_coalesced, _all_to_all_single, _broadcast,
+                   _broadcast_)
+    if hasattr(_OPS, staged.__name__[1:])
 }

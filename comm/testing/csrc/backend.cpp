@@ -57,23 +57,19 @@ class SimulatedBackend final : public c10d::Backend {
   const std::string getBackendName() const override { return name_; }
 
   WorkPtr broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) override {
-    auto hosts = to_host(tensors);
-    return done(host_->broadcast(hosts, opts), tensors, c10d::OpType::BROADCAST);
+    return in_place(&c10d::Backend::broadcast, tensors, opts, c10d::OpType::BROADCAST);
   }
   WorkPtr allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) override {
     check(opts.reduceOp);
-    auto hosts = to_host(tensors);
-    return done(host_->allreduce(hosts, opts), tensors, c10d::OpType::ALLREDUCE);
+    return in_place(&c10d::Backend::allreduce, tensors, opts, c10d::OpType::ALLREDUCE);
   }
   WorkPtr allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
     check(opts.reduceOp);
-    auto hosts = to_host(tensors);
-    return done(host_->allreduce_coalesced(hosts, opts), tensors, c10d::OpType::ALLREDUCE_COALESCED);
+    return in_place(&c10d::Backend::allreduce_coalesced, tensors, opts, c10d::OpType::ALLREDUCE_COALESCED);
   }
   WorkPtr reduce(Tensors& tensors, const c10d::ReduceOptions& opts) override {
     check(opts.reduceOp);
-    auto hosts = to_host(tensors);
-    return done(host_->reduce(hosts, opts), tensors, c10d::OpType::REDUCE);
+    return in_place(&c10d::Backend::reduce, tensors, opts, c10d::OpType::REDUCE);
   }
   WorkPtr allgather(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) override {
     auto host_outputs = to_host(outputs);
@@ -191,6 +187,14 @@ class SimulatedBackend final : public c10d::Backend {
     for (const auto& list : lists) all.insert(all.end(), list.begin(), list.end());
     return all;
   }
+  // A collective on one list of tensors, written in place: the host backend's `method` on their host views.
+  template <typename Options>
+  WorkPtr in_place(WorkPtr (c10d::Backend::*method)(Tensors&, const Options&), Tensors& tensors, const Options& opts,
+                   c10d::OpType type) {
+    auto hosts = to_host(tensors);
+    return done((host_.get()->*method)(hosts, opts), tensors, type);
+  }
+
   static WorkPtr done(WorkPtr host, Tensors outputs, c10d::OpType type) {
     ++collectives;
     return c10::make_intrusive<DeviceWork>(std::move(host), std::move(outputs), type);
