@@ -27,6 +27,9 @@ demo: $(VENV)/.installed
 	@$(TORCHRUN) examples/bind_and_reduce.py --simulate npu
 	@echo "== FSDP2 with CPUOffloadPolicy on the simulated NPU: torch's clip, then comm's =="
 	@$(TORCHRUN) examples/fsdp2_offload_clip.py $(DEMO_ARGS)
+	@echo "== a full state dict from CPU-offloaded FSDP2 shards: torch alone, then under python -m comm =="
+	@$(TORCHRUN) examples/full_state_dict.py --simulate npu 2>&1 | grep -m1 -o "RuntimeError: No backend type.*" || true
+	@$(TORCHRUN) -m comm examples/full_state_dict.py --simulate npu
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check comm tests examples benchmarks

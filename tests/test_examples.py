@@ -81,3 +81,14 @@ def test_bind_and_reduce_on_cpu_and_simulated_npu():
         for rank in (0, 1):
             expected = f"rank {rank}/2: device={device.format(rank=rank)} backend={backend} all_reduce sum=3 ok"
             assert expected in result.stdout
+
+
+def test_full_state_dict_of_offloaded_shards_fails_as_is_and_works_under_python_m_comm():
+    skip_unless_simulation()
+    script = [str(EXAMPLES / "full_state_dict.py"), "--simulate", "npu"]
+    plain = _torchrun("--standalone", "--nproc-per-node", "2", *script)
+    assert plain.returncode != 0 and SEED_ERROR in plain.stderr
+    patched = _torchrun("--standalone", "--nproc-per-node", "2", "-m", "comm", *script)
+    assert patched.returncode == 0, patched.stderr
+    assert "parameter shards on cpu, mesh on npu" in patched.stdout
+    assert "full state dict: 6 tensors, 1476 values on ['cpu']; equal to the unsharded model's: True" in patched.stdout
