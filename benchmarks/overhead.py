@@ -9,6 +9,8 @@ Part 1, two gloo ranks, 16 floats: each collective and point-to-point call of
 comm against torch's (the fast path).
 Part 2, two gloo ranks: all_reduce at 1, 1 K and 1 M elements.
 Part 3, one rank: what the fast path itself costs per call, around a no-op collective.
+Part 3b, two gloo ranks: DTensor's functional all_reduce with comm.patch() and
+without, in a gloo-only process and in one that also holds an hccl group.
 Part 4, two ranks on the simulated NPU (hccl): CPU tensors through comm against
 the hand-written fix (copy to the NPU, torch's collective, copy back), at 1 and
 4,096 elements; the A/A control repeats the hand-written fix.
@@ -25,7 +27,7 @@ import os
 import statistics
 import time
 import timeit
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,8 +47,11 @@ NPU = {"name": "npu", "backend": "hccl"}
 Call = Callable[[], Any]
 
 
-def _rotate(sides: Sequence[Call], calls: int) -> List[float]:
-    """Median seconds per call of each side, timed one call each per round in rotating order."""
+def _rotate(sides: Sequence[Call], calls: int, setups: Optional[Sequence[Call]] = None) -> List[float]:
+    """Median seconds per call of each side, timed one call each per round in rotating order.
+
+    ``setups[i]``, where given, runs untimed before each call of side ``i``.
+    """
     for _ in range(WARMUP):
         for side in sides:
             side()
@@ -54,6 +59,8 @@ def _rotate(sides: Sequence[Call], calls: int) -> List[float]:
     for index in range(calls):
         for offset in range(len(sides)):
             which = (index + offset) % len(sides)
+            if setups is not None:
+                setups[which]()
             start = time.perf_counter()
             sides[which]()
             times[which].append(time.perf_counter() - start)
@@ -105,6 +112,30 @@ def all_reduce_sizes(rank: int) -> List[Dict[str, Any]]:
         sides = [functools.partial(fn, tensor) for fn in (dist.all_reduce, comm.all_reduce, dist.all_reduce)]
         rows.append(_row(f"{numel}", _rotate(sides, calls)))
     return rows
+
+
+def functional_patched(rank: int, calls: int, with_hccl: bool) -> List[Dict[str, Any]]:
+    """DTensor's all_reduce (a functional collective) on a gloo group: unpatched, patched, unpatched again.
+
+    ``with_hccl``: the process also holds an hccl group (on the simulated NPU), so
+    the patch registers comm's CPU kernels and the gloo call passes through one.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    if with_hccl:
+        dist.new_group(backend="hccl")
+    x, group = torch.ones(16), dist.group.WORLD
+
+    def call() -> None:
+        funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
+
+    def switch(to: Call) -> Call:
+        return lambda: (to(), dist.barrier(group))  # both ranks start the timed call together
+
+    setups = [switch(comm.unpatch), switch(comm.patch), switch(comm.unpatch)]
+    medians = _rotate([call, call, call], calls, setups)
+    comm.unpatch()
+    return [_row("functional all_reduce", medians)]
 
 
 def decision_cost(rank: int) -> Dict[str, float]:
@@ -201,6 +232,12 @@ def main() -> None:
     _print_rows(f"Fast path, 16 floats on gloo, {args.calls} calls per side", "call",
                 run_ranks(functools.partial(every_call, calls=args.calls)), "torch us", "comm us")
     _print_rows("all_reduce on gloo by size", "elements", run_ranks(all_reduce_sizes), "torch us", "comm us")
+    _print_rows("Functional all_reduce (DTensor's path), 16 floats on gloo: torch patched against unpatched",
+                "process", run_ranks(functools.partial(functional_patched, calls=args.calls, with_hccl=False)),
+                "torch us", "patched us")
+    _print_rows("... in a process that also holds an hccl group (comm's CPU kernels registered)", "process",
+                run_ranks(functools.partial(functional_patched, calls=args.calls, with_hccl=True), simulate=NPU),
+                "torch us", "patched us")
     costs = run_ranks(decision_cost, world_size=1)
     print("\nThe fast path's own cost: ns per call around a no-op collective (timeit, best of 7)")
     print("  " + ", ".join(f"{name} {ns:.0f} ns" for name, ns in costs.items())
