@@ -218,3 +218,22 @@ def test_dtensor_redistributes_npu_shards_and_cpu_tensors_fail_everywhere():
         assert torch.equal(seen["partial_to_shard"], (full * 3).chunk(2)[rank])
         assert seen["cpu"] == dict.fromkeys(seen["cpu"], SEED_ERROR) and len(seen["cpu"]) == 10
         assert seen["composite"] == ([2.0, 2.0], [2.0, 2.0], ["cpu", "npu"])
+
+
+def _conjugate_and_negative_views(rank, world_size):
+    values = torch.tensor([1 + 2j, 3 - 4j])
+    on_npu = values.to("npu")
+    torch.empty(0).pin_memory()  # no memory to pin: it must not mark every empty tensor pinned
+    return {
+        "conj": torch.equal(on_npu.conj().cpu(), values.conj()),
+        "conj arithmetic": torch.equal((on_npu.conj() + 0).cpu(), values.conj()),
+        "conj copy": torch.equal(torch.zeros(2, dtype=values.dtype, device="npu").copy_(on_npu.conj()).cpu(),
+                                 values.conj()),
+        "neg view": torch.equal(torch._neg_view(on_npu.real).cpu(), -values.real),
+        "other empty tensors unpinned": not torch.empty(0).is_pinned(),
+    }
+
+
+def test_conjugate_and_negative_views_and_empty_pinned_memory():
+    [seen] = run_ranks(_conjugate_and_negative_views, 1, backend=None, simulate=NPU)
+    assert all(seen.values()), seen

@@ -129,8 +129,10 @@ void free_pinned(void* data) {
 struct PinnedAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     void* data = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
-    std::lock_guard<std::mutex> lock(pinned_mutex);
-    pinned.insert(data);
+    if (data != nullptr) {  // an empty allocation is no memory: recording it would make every empty tensor pinned
+      std::lock_guard<std::mutex> lock(pinned_mutex);
+      pinned.insert(data);
+    }
     return {data, data, &free_pinned, c10::Device(c10::kCPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &free_pinned; }
@@ -187,9 +189,13 @@ c10::Storage storage_over(const c10::Storage& memory, c10::Device device, c10::A
   return c10::Storage(c10::Storage::use_byte_size_t(), memory.nbytes(), std::move(data), allocator, memory.resizable());
 }
 
+// `like`'s view (sizes, strides, offset, and its conjugate and negative bits) of `storage`, on `key`'s device.
 at::Tensor tensor_over(c10::Storage storage, c10::DispatchKey key, const at::Tensor& like) {
   auto tensor = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key), like.dtype());
-  tensor.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
+  auto* impl = tensor.unsafeGetTensorImpl();
+  impl->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
+  impl->_set_conj(like.is_conj());
+  impl->_set_neg(like.is_neg());
   return tensor;
 }
 

@@ -17,8 +17,10 @@ constexpr c10::DeviceType kDevice = c10::DeviceType::PrivateUse1;
 inline std::atomic<int64_t> transfers{0};
 inline std::atomic<int64_t> collectives{0};
 
-// A CPU tensor over the same host memory as a simulated-device tensor; it keeps that
-// memory alive for as long as it lives (a collective may outlive its caller's tensor).
+// A CPU tensor over the same host memory as a simulated-device tensor; it keeps the
+// device tensor's storage alive for as long as it lives (a collective may outlive its
+// caller's tensor). Resizing that storage while a collective runs frees the memory
+// under it, as it would on a real device.
 at::Tensor host_view(const at::Tensor& tensor);
 
 // The collective backend of the simulated device: runs each collective with `host`
