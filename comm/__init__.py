@@ -15,12 +15,14 @@ from comm.backend import default_backend, device_types, init_process_group
 from comm.collectives import (
     all_gather,
     all_gather_into_tensor,
+    all_gather_single,
     all_reduce,
     all_reduce_coalesced,
     barrier,
     broadcast,
     reduce,
     reduce_scatter,
+    reduce_scatter_single,
     reduce_scatter_tensor,
 )
 from comm.device import accelerator_type, bind, current_device, empty_cache
@@ -42,6 +44,7 @@ __all__ = [
     "accelerator_type",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_reduce",
     "all_reduce_coalesced",
     "all_to_all",
@@ -66,6 +69,7 @@ __all__ = [
     "recv",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "reset_stats",
     "scatter",

@@ -69,19 +69,13 @@ def check_sizes(tensor: torch.Tensor, name: str, numel: int, dtype: torch.dtype)
         raise ValueError(f"{name} has {tensor.numel()} elements; expected {numel} (group size times the piece size)")
 
 
-def check_root(pg: dist.ProcessGroup, rank: Optional[int], group_rank: Optional[int], name: str,
-               default: Optional[int] = None) -> Tuple[int, int]:
-    """Validate ``src``/``dst`` (a global rank) or ``group_src``/``group_dst``; return (group rank, global rank).
-
-    ``default`` is the group rank torch assumes when neither is given (0 for gather
-    and scatter); without one, a root is required.
-    """
+def check_root(pg: dist.ProcessGroup, rank: Optional[int], group_rank: Optional[int],
+               name: str) -> Tuple[int, int]:
+    """Validate ``src``/``dst`` (a global rank) or ``group_src``/``group_dst``; return (group rank, global rank)."""
     if rank is not None and group_rank is not None:
         raise ValueError(f"pass {name} or group_{name}, not both")
     if rank is None and group_rank is None:
-        if default is None:
-            raise ValueError(f"{name} (a global rank) or group_{name} (a rank in the group) is required")
-        group_rank = default
+        raise ValueError(f"{name} (a global rank) or group_{name} (a rank in the group) is required")
     label, value = (f"group_{name}", group_rank) if group_rank is not None else (name, rank)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{label} must be an int, got {type(value).__name__}")

@@ -30,24 +30,26 @@ from comm.staging import Staging, emulates_avg
 __all__ = [
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_reduce",
     "all_reduce_coalesced",
     "barrier",
     "broadcast",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
 ]
 
 # torch's own functions, captured at import so that comm.patch() cannot make the
 # wrappers call themselves.
-_TORCH = types.SimpleNamespace(**{name: getattr(dist, name) for name in __all__ if name != "all_reduce_coalesced"})
+_TORCH = types.SimpleNamespace(**{name: getattr(dist, name) for name in __all__ if hasattr(dist, name)})
 # What comm itself calls to gather into, and reduce-scatter from, one flat buffer:
 # torch >= 2.12 deprecates the *_tensor names in favour of *_single.
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 # One call counter per collective: counting is a single C call on the fast path.
-_COUNT = types.SimpleNamespace(**{name: call_counter(name) for name in __all__})
+_COUNT = types.SimpleNamespace(**{name: call_counter(name) for name in __all__ if not name.endswith("_single")})
 
 Work = Any  # torch's work object, or comm's DeferredWork
 _SUM, _AVG = ReduceOp.SUM, ReduceOp.AVG
@@ -70,7 +72,7 @@ def _all_reduce(pg: dist.ProcessGroup, info: _GroupInfo, tensor: torch.Tensor, o
         return _TORCH.all_reduce(tensor, op, pg, async_op)
     with Staging("all_reduce", pg, info, average) as staging:
         staging.issue(_TORCH.all_reduce(staging.receive(tensor, reads=True), staging.op(op), pg, True))
-        return staging.finish(async_op)
+        return staging.finish(async_op, [tensor])
 
 
 def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: Any = ReduceOp.SUM,
@@ -84,14 +86,14 @@ def _all_reduce_coalesced(pg: dist.ProcessGroup, info: _GroupInfo, tensors: Sequ
     tensors = check_tensor_list(tensors, "tensors")
     if not tensors:
         return None
-    average = any(emulates_avg(op, pg, info, t, "all_reduce") for t in tensors)
+    average = any([emulates_avg(op, pg, info, t, "all_reduce") for t in tensors])  # every one checked: none sent
     buckets: Dict[Any, List[torch.Tensor]] = {}
     for tensor in tensors:
         buckets.setdefault((tensor.device, tensor.dtype), []).append(tensor)
     with Staging("all_reduce_coalesced", pg, info, average) as staging:
         for members in buckets.values():
             staging.issue(_TORCH.all_reduce(staging.receive_joined(members), staging.op(op), pg, True))
-        return staging.finish(async_op)
+        return staging.finish(async_op, tensors)
 
 
 def broadcast(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.ProcessGroup] = None,
@@ -133,7 +135,7 @@ def _rooted(pg: dist.ProcessGroup, info: _GroupInfo, tensor: torch.Tensor, root_
         else:
             buffer = staging.receive(tensor, reads=True) if info.rank == root else staging.send(tensor)
         staging.issue(_broadcast_or_reduce(buffer, root_global, op and staging.op(op), pg, True))
-        return staging.finish(async_op)
+        return staging.finish(async_op, [tensor])
 
 
 def _broadcast_or_reduce(tensor: torch.Tensor, root: int, op: Any, pg: dist.ProcessGroup, async_op: bool) -> Any:
@@ -168,26 +170,34 @@ def _all_gather(pg: dist.ProcessGroup, info: _GroupInfo, tensor_list: List[torch
         source = staging.send(tensor)
         gathered = staging.receive_flat(outputs, None, tensor.numel() * pg.size(), tensor.dtype, source.device)
         staging.issue(_gather_flat(gathered, source, pg, info))
-        return staging.finish(async_op)
+        return staging.finish(async_op, outputs)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                            group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
-    """Gather every rank's ``input_tensor`` into ``output_tensor``, as torch does."""
+    """Gather every rank's ``input_tensor`` into ``output_tensor``, as torch does.
+
+    Also comm's ``all_gather_single`` (torch >= 2.12's name for it); comm calls
+    whichever of the two this torch does not deprecate, and counts both as this one.
+    """
     info = fast_group(group, output_tensor, input_tensor)
     if info is not None and _fits(output_tensor, input_tensor, input_tensor.numel() * info.size):
         _COUNT.all_gather_into_tensor()
-        return _TORCH.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+        return _all_gather_flat(output_tensor, input_tensor, group, async_op)
     return slow_path("all_gather_into_tensor", group, _flat, output_tensor, input_tensor, None, async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = ReduceOp.SUM,
                           group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
-    """Reduce ``input`` across ranks and scatter equal pieces into ``output``, as torch does."""
+    """Reduce ``input`` across ranks and scatter equal pieces into ``output``, as torch does.
+
+    Also comm's ``reduce_scatter_single`` (torch >= 2.12's name for it), as for
+    :func:`all_gather_into_tensor`.
+    """
     info = fast_group(group, output, input)
     if info is not None and (op is _SUM or op != _AVG) and _fits(input, output, output.numel() * info.size):
         _COUNT.reduce_scatter_tensor()
-        return _TORCH.reduce_scatter_tensor(output, input, op, group, async_op)
+        return _reduce_scatter_flat(output, input, op, group, async_op)
     return slow_path("reduce_scatter_tensor", group, _flat, output, input, op, async_op)
 
 
@@ -205,15 +215,20 @@ def _flat(pg: dist.ProcessGroup, info: _GroupInfo, output: torch.Tensor, input: 
     average = not gathering and emulates_avg(op, pg, info, input, "reduce_scatter")
     if not average and served(info, [input, output]):
         if gathering:
-            return _TORCH.all_gather_into_tensor(output, input, pg, async_op)
-        return _TORCH.reduce_scatter_tensor(output, input, op, pg, async_op)
+            return _all_gather_flat(output, input, pg, async_op)
+        return _reduce_scatter_flat(output, input, op, pg, async_op)
     with Staging("all_gather_into_tensor" if gathering else "reduce_scatter_tensor", pg, info, average) as staging:
         source, target = staging.send(input), staging.receive(output)
         if gathering:
             staging.issue(_gather_flat(target, source, pg, info))
         else:
             staging.issue(_reduce_scatter_flat(target, source, staging.op(op), pg, True))
-        return staging.finish(async_op)
+        return staging.finish(async_op, [output])
+
+
+# torch >= 2.12's names for the two above (FSDP calls them); on older torch comm still offers them.
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor
 
 
 def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op: Any = ReduceOp.SUM,
@@ -236,7 +251,7 @@ def _reduce_scatter(pg: dist.ProcessGroup, info: _GroupInfo, output: torch.Tenso
     with Staging("reduce_scatter", pg, info, average) as staging:
         sources = staging.send_all(inputs)
         staging.issue(_TORCH.reduce_scatter(staging.receive(output), sources, staging.op(op), pg, True))
-        return staging.finish(async_op)
+        return staging.finish(async_op, [output])
 
 
 def barrier(group: Optional[dist.ProcessGroup] = None, async_op: bool = False, device_ids: Optional[List[int]] = None,
@@ -279,7 +294,7 @@ def _all_gather_uneven(outputs: List[torch.Tensor], tensor: torch.Tensor, pg: di
                 f"{mismatched[0]} sent {sizes[mismatched[0]]}; expected tensor_list[i] sized like rank i's tensor"
             )
         staging.issue(work)
-        return staging.finish(async_op)
+        return staging.finish(async_op, outputs)
 
 
 def _gather_sizes(numel: int, device: torch.device, pg: dist.ProcessGroup, info: _GroupInfo) -> List[int]:

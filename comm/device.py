@@ -107,6 +107,17 @@ def device_count(device_type: Optional[str] = None) -> int:
     return int(module.device_count())
 
 
+# The device bind() bound, for the whole process: an accelerator's current device is
+# per thread, and a collective issued from a logging or checkpoint thread must
+# still be staged onto this rank's own device.
+_bound: Optional[torch.device] = None
+
+
+def bound_device() -> Optional[torch.device]:
+    """The device :func:`bind` bound this process to, whichever thread asks; None before any bind."""
+    return _bound
+
+
 def bind(local_rank: Optional[int] = None) -> torch.device:
     """Bind this process to the device of ``local_rank`` on its accelerator and return it.
 
@@ -125,8 +136,10 @@ def bind(local_rank: Optional[int] = None) -> torch.device:
     index = _device_index(local_rank, device_count(device_type), device_type, origin)
     if device_type == "mps":
         return torch.device("mps")
+    global _bound
     _set_device_index(device_type, index)
-    return torch.device(device_type, index)
+    _bound = torch.device(device_type, index)
+    return _bound
 
 
 def _resolve_local_rank(local_rank: Optional[int]) -> Tuple[int, str]:

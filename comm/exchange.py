@@ -83,7 +83,7 @@ def _rooted_list(pg: dist.ProcessGroup, info: _GroupInfo, name: str, tensor: tor
         else:
             many, single = staging.send_all(listed) if listed else None, staging.receive(tensor)
         staging.issue(torch_call(single, many, root_global, pg, True))
-        return staging.finish(async_op)
+        return staging.finish(async_op, listed if name == "gather" and listed else [tensor])
 
 
 def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
@@ -108,15 +108,15 @@ def _all_to_all(pg: dist.ProcessGroup, info: _GroupInfo, output_tensor_list: Lis
     with Staging("all_to_all", pg, info) as staging:
         sources = staging.send_all(inputs)
         staging.issue(_TORCH.all_to_all(staging.receive_all(outputs), sources, pg, True))
-        return staging.finish(async_op)
+        return staging.finish(async_op, outputs)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[List[int]] = None,
                       input_split_sizes: Optional[List[int]] = None, group: Optional[dist.ProcessGroup] = None,
                       async_op: bool = False) -> Optional[Work]:
     """Split ``input`` (dim 0) among the ranks and gather their pieces into ``output``, as torch does."""
-    # Split sizes are checked on the slow path (a few us): only even splits skip it.
-    if (output_split_sizes is None and input_split_sizes is None
+    # Split sizes are checked on the slow path (a few us): only even splits ([] or None, as torch reads them) skip it.
+    if (not output_split_sizes and not input_split_sizes
             and fast_group(group, output, input) is not None and output.dtype == input.dtype):
         _COUNT.all_to_all_single()
         return _TORCH.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)
@@ -139,7 +139,7 @@ def _all_to_all_single(pg: dist.ProcessGroup, info: _GroupInfo, output: torch.Te
         source = staging.send(input)
         staging.issue(_TORCH.all_to_all_single(staging.receive(output), source, output_split_sizes,
                                                input_split_sizes, pg, True))
-        return staging.finish(async_op)
+        return staging.finish(async_op, [output])
 
 
 def _root_list(tensors: Optional[List[torch.Tensor]], name: str, pg: dist.ProcessGroup, root: int,
@@ -156,8 +156,8 @@ def _root_list(tensors: Optional[List[torch.Tensor]], name: str, pg: dist.Proces
 
 def _check_splits(splits: Optional[List[int]], name: str, tensor: torch.Tensor, size: int) -> None:
     """Refuse split sizes that are not one non-negative int per rank adding up to ``tensor``'s first dimension."""
-    if splits is None:
-        return
+    if splits is None or isinstance(splits, (list, tuple)) and not splits:
+        return  # even splits, as torch reads None and []
     if not isinstance(splits, (list, tuple)) or len(splits) != size or not all(
         isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in splits
     ):

@@ -47,7 +47,10 @@ _NOTHING: _Memo = (_no_group, None, False, False, frozenset())
 _last: _Memo = _NOTHING
 
 
-def fast_group(group: Optional[dist.ProcessGroup], tensor: Any, other: Any = None) -> Optional[_GroupInfo]:
+_ALONE = object()  # fast_group's ``other`` when a call has one tensor: None is a caller's mistake, not "no tensor"
+
+
+def fast_group(group: Optional[dist.ProcessGroup], tensor: Any, other: Any = _ALONE) -> Optional[_GroupInfo]:
     """What the group serves, if torch can take ``tensor`` (and ``other``) as they are; else None.
 
     None means "take the slow path": the group is not the memo's (or not yet
@@ -59,7 +62,7 @@ def fast_group(group: Optional[dist.ProcessGroup], tensor: Any, other: Any = Non
     if type(tensor) is not _Tensor or not (cpu if tensor.is_cpu else cuda if tensor.is_cuda
                                            else tensor.device.type in types):
         return None
-    if other is None or type(other) is _Tensor and (cpu if other.is_cpu else cuda if other.is_cuda
+    if other is _ALONE or type(other) is _Tensor and (cpu if other.is_cpu else cuda if other.is_cuda
                                                     else other.device.type in types):
         return info
     return None

@@ -44,7 +44,9 @@ _REDUCE_OPS = {
     "bor": ReduceOp.BOR,
     "bxor": ReduceOp.BXOR,
 }
-_TORCH_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+# Redispatching with no backend key reaches the kernel torch registered as CompositeExplicitAutograd
+# (alias keys cannot be in a key set: this set is empty, and that kernel also fills the empty slot).
+_TORCHS_OWN_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
 _OPS = torch.ops._c10d_functional
 _LOCK = threading.Lock()
 _library: Optional[Any] = None  # the torch.library registration, while it exists
@@ -80,6 +82,7 @@ def unregister() -> None:
 
 
 def is_registered() -> bool:
+    """Whether comm's kernels are registered now (the patch registers them only where a group needs them)."""
     return _library is not None
 
 
@@ -117,7 +120,7 @@ def _kernel(op: Any, staged: Callable[..., Any]) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         pg = _group(args[group_at])
         if not needed(pg):
-            return op.redispatch(_TORCH_KERNEL, *args, **kwargs)
+            return op.redispatch(_TORCHS_OWN_KERNEL, *args, **kwargs)
         return staged(pg, *args, **kwargs)
 
     return kernel
@@ -142,6 +145,11 @@ def _scattered(pg: dist.ProcessGroup, outputs: List[torch.Tensor], inputs: List[
     return outputs
 
 
+def _new(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` laid out as torch's functional collectives return theirs: contiguous."""
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 def _gathered_like(tensor: torch.Tensor, group_size: int) -> torch.Tensor:
     return tensor.new_empty((tensor.size(0) * group_size, *tensor.shape[1:]))
 
@@ -152,7 +160,7 @@ def _scattered_like(tensor: torch.Tensor, group_size: int) -> torch.Tensor:
 
 # comm's form of each op: its arguments after the group, in the op's order.
 def _all_reduce(pg: dist.ProcessGroup, input: torch.Tensor, reduce_op: str, group_name: Any) -> torch.Tensor:
-    return _reduced(pg, [input.clone()], reduce_op)[0]
+    return _reduced(pg, [_new(input)], reduce_op)[0]
 
 
 def _all_reduce_(pg: dist.ProcessGroup, input: torch.Tensor, reduce_op: str, group_name: Any) -> torch.Tensor:
@@ -161,7 +169,7 @@ def _all_reduce_(pg: dist.ProcessGroup, input: torch.Tensor, reduce_op: str, gro
 
 def _all_reduce_coalesced(pg: dist.ProcessGroup, inputs: List[torch.Tensor], reduce_op: str,
                           group_name: Any) -> List[torch.Tensor]:
-    return _reduced(pg, [t.clone() for t in inputs], reduce_op)
+    return _reduced(pg, [_new(t) for t in inputs], reduce_op)
 
 
 def _all_reduce_coalesced_(pg: dist.ProcessGroup, inputs: List[torch.Tensor], reduce_op: str,
@@ -209,7 +217,7 @@ def _all_to_all_single(pg: dist.ProcessGroup, input: torch.Tensor, output_split_
 
 
 def _broadcast(pg: dist.ProcessGroup, input: torch.Tensor, src: int, group_name: Any) -> torch.Tensor:
-    return _broadcast_(pg, input.clone(), src, group_name)
+    return _broadcast_(pg, _new(input), src, group_name)
 
 
 def _broadcast_(pg: dist.ProcessGroup, input: torch.Tensor, src: int, group_name: Any) -> torch.Tensor:

@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from comm.arguments import check_peer, check_tensor, given
-from comm.backend import _GroupInfo
+from comm.backend import _GroupInfo, _resolve_group
 from comm.fastpath import fast_group, served, slow_path
-from comm.observability import call_counter
+from comm.observability import call_counter, count_staging
 from comm.staging import Staging
 from comm.work import DeferredWork
 
@@ -39,7 +39,8 @@ def send(tensor: torch.Tensor, dst: Optional[int] = None, group: Optional[dist.P
     """Send ``tensor`` to ``dst`` (a global rank) or ``group_dst`` and wait, as torch does."""
     if _fast_peer(group, tensor, dst, group_dst):
         _COUNT.send()
-        _TORCH.send(tensor, dst, group, tag)
+        # torch's send is isend and wait; its own goes through the module's isend, comm's under the patch
+        _TORCH.isend(tensor, dst, group, tag).wait()
         return None
     slow_path("send", group, _send, tensor, dst, tag, group_dst, False)
     return None
@@ -59,14 +60,13 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.P
     """Receive into ``tensor`` from ``src`` (any source when None); return the sender's global rank, as torch does."""
     if _fast_peer(group, tensor, src, group_src, any_source=True):
         _COUNT.recv()
-        sender: int = _TORCH.recv(tensor, src, group, tag)
-        return sender
-    started = slow_path("recv", group, _start_recv, tensor, src, tag, group_src)
+        # torch's recv is irecv and wait; its own goes through the module's irecv, comm's under the patch
+        return _received(_TORCH.irecv(tensor, src, group, tag), group, src)
+    started = slow_path("recv", group, _start_recv, "recv", tensor, src, tag, group_src)
     if started is None:  # this rank is not in the group: torch's answer
         return -1
     handle, pg, src_global = started
-    handle.wait()
-    return src_global if src_global is not None else dist.get_global_rank(pg, handle._source_rank())
+    return _received(handle, pg, src_global)
 
 
 def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.ProcessGroup] = None, tag: int = 0,
@@ -75,7 +75,7 @@ def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.
     if _fast_peer(group, tensor, src, group_src, any_source=True):
         _COUNT.irecv()
         return _TORCH.irecv(tensor, src, group, tag)
-    started = slow_path("irecv", group, _start_recv, tensor, src, tag, group_src)
+    started = slow_path("irecv", group, _start_recv, "irecv", tensor, src, tag, group_src)
     return None if started is None else started[0]
 
 
@@ -114,30 +114,33 @@ def batch_isend_irecv(p2p_op_list: List[dist.P2POp]) -> List[Work]:
 def _batch(pg: dist.ProcessGroup, info: _GroupInfo, ops: List[dist.P2POp]) -> List[Work]:
     if served(info, [op.tensor for op in ops]):
         return list(_TORCH.batch_isend_irecv([_for_torch(op, op.tensor) for op in ops]))
-    stagings = [Staging("batch_isend_irecv", pg, info) for _ in ops]
+    # One staging per op (each handle writes back its own receive); the batch counts as one staged call.
+    stagings = [Staging("batch_isend_irecv", pg, info, counts_call=False) for _ in ops]
     with contextlib.ExitStack() as stack:
         for staging in stagings:
             stack.enter_context(staging)
         staged = [_for_torch(op, _staged_tensor(op, staging)) for op, staging in zip(ops, stagings)]
+        count_staging("batch_isend_irecv", 0, 0.0, new_call=any(staging.staged for staging in stagings))
         works = list(_TORCH.batch_isend_irecv(staged))
         if len(works) == len(ops):
             for staging, work in zip(stagings, works):
                 staging.issue(work)
-            return [staging.handle() for staging in stagings]
+            return [staging.handle([op.tensor]) for staging, op in zip(stagings, ops)]
         for staging in stagings:
             for work in works:
                 staging.issue(work)
-        return [_whole_batch(works, [staging.handle() for staging in stagings])] * len(works)
+        handles = [staging.handle([op.tensor]) for staging, op in zip(stagings, ops)]
+        return [_whole_batch(works, handles, [op.tensor for op in ops])] * len(works)
 
 
-def _whole_batch(works: List[Any], handles: List[DeferredWork]) -> DeferredWork:
+def _whole_batch(works: List[Any], handles: List[DeferredWork], tensors: List[torch.Tensor]) -> DeferredWork:
     """One handle for a batch torch coalesced into fewer works: it writes back every staged receive."""
 
     def write_all() -> None:
         for handle in handles:
             handle.wait()
 
-    return DeferredWork(works, write_all, [], lambda: "")
+    return DeferredWork(works, write_all, tensors, lambda: "")
 
 
 def _fast_batch(ops: Any) -> bool:
@@ -169,22 +172,34 @@ def _send(pg: dist.ProcessGroup, info: _GroupInfo, tensor: torch.Tensor, dst: Op
     check_tensor(tensor, "tensor")
     _, dst_global = check_peer(pg, dst, group_dst, "dst")
     if served(info, [tensor]):
-        return _TORCH.isend(tensor, dst_global, pg, tag) if async_op else _TORCH.send(tensor, dst_global, pg, tag)
+        work = _TORCH.isend(tensor, dst_global, pg, tag)
+        if async_op:
+            return work
+        work.wait()
+        return None
     with Staging("isend" if async_op else "send", pg, info) as staging:
         staging.issue(_TORCH.isend(staging.send(tensor), dst_global, pg, tag))
-        return staging.finish(async_op)
+        return staging.finish(async_op, [tensor])
 
 
-def _start_recv(pg: dist.ProcessGroup, info: _GroupInfo, tensor: torch.Tensor, src: Optional[int], tag: int,
-                group_src: Optional[int]) -> Tuple[Work, dist.ProcessGroup, Optional[int]]:
+def _start_recv(pg: dist.ProcessGroup, info: _GroupInfo, name: str, tensor: torch.Tensor, src: Optional[int],
+                tag: int, group_src: Optional[int]) -> Tuple[Work, dist.ProcessGroup, Optional[int]]:
     """Start a receive (staged where the group does not serve ``tensor``): its work, the group and the source."""
     check_tensor(tensor, "tensor")
     src_global = None if src is None and group_src is None else check_peer(pg, src, group_src, "src")[1]
     if served(info, [tensor]):
         return _TORCH.irecv(tensor, src_global, pg, tag), pg, src_global
-    with Staging("recv", pg, info) as staging:
+    with Staging(name, pg, info) as staging:
         staging.issue(_TORCH.irecv(staging.receive(tensor), src_global, pg, tag))
-        return staging.handle(), pg, src_global
+        return staging.handle([tensor]), pg, src_global
+
+
+def _received(work: Work, group: Optional[dist.ProcessGroup], src: Optional[int]) -> int:
+    """Wait for a receive; the sender's global rank, as torch's recv returns it (any source: the work says)."""
+    work.wait()
+    if src is not None:
+        return src
+    return dist.get_global_rank(_resolve_group(group), work._source_rank())
 
 
 def _direction(op: Any, name: str) -> str:

@@ -102,9 +102,14 @@ def _targets(clip_grad_norm: bool) -> List[Tuple[str, str, Callable[..., Any]]]:
 
 
 def _create_group(*args: Any, **kwargs: Any) -> Any:
-    """c10d's own group creation, then comm's functional kernels if the new group needs them."""
+    """c10d's own group creation, then comm's functional kernels if the new group needs them.
+
+    A rank outside the new group gets torch's placeholder (``NON_GROUP_MEMBER``)
+    rather than a group: nothing to look at there.
+    """
     created = _ORIGINALS[(_C10D, _CREATE_GROUP)](*args, **kwargs)
-    if functional.needed(created[0]):  # (the group, its store)
+    group = created[0]  # (the group, its store)
+    if isinstance(group, dist.ProcessGroup) and functional.needed(group):
         functional.register()
     return created
 

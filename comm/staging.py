@@ -28,7 +28,7 @@ from torch.distributed import ReduceOp
 
 from comm.arguments import device_type
 from comm.backend import _group_info, _GroupInfo, _native_avg, _resolve_group
-from comm.device import _is_available, accelerator_type, current_device
+from comm.device import _is_available, accelerator_type, bound_device, current_device
 from comm.fastpath import served
 from comm.observability import count_staging, log_first_staging
 from comm.work import DeferredWork, add_note
@@ -42,8 +42,9 @@ def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = No
     """The device ``tensor`` must be staged onto for ``group``, or None if it is served natively.
 
     The target is the group's bound device (``init_process_group(device_id=...)``)
-    if any, else this process's current device of a device type the backend serves
-    (the bound local rank), else the CPU for a CPU backend.
+    if any, else the device :func:`comm.bind` bound this process to (whichever
+    thread calls), else the calling thread's current device of a device type the
+    backend serves, else the CPU for a CPU backend.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -56,9 +57,9 @@ def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = No
 
 def _staging_target(group: dist.ProcessGroup, info: _GroupInfo) -> torch.device:
     served = info.device_types
-    bound = getattr(group, "bound_device_id", None)
-    if bound is not None and bound.type in served:
-        return torch.device(bound)
+    for bound in (getattr(group, "bound_device_id", None), bound_device()):
+        if bound is not None and bound.type in served:
+            return torch.device(bound)
     accelerator = accelerator_type()
     if accelerator in served:
         return current_device(accelerator)
@@ -96,14 +97,18 @@ class Staging:
     handle that will. It counts the traffic, logs the first staging of each kind
     per group, and notes on an exception what was staged. ``average`` runs
     ``ReduceOp.AVG`` as SUM, then divides what the collective wrote by the group size.
+    ``counts_call=False`` leaves counting the staged call to the caller (a batch of
+    point-to-point calls is one call, staged op by op).
     """
 
     def __init__(self, name: str, pg: dist.ProcessGroup, info: _GroupInfo, average: bool = False,
-                 reason: Optional[str] = None) -> None:
+                 reason: Optional[str] = None, counts_call: bool = True) -> None:
         self.name = name
         self._pg = pg
         self._info = info
+        self._average = average
         self._divisor = pg.size() if average else 1
+        self._counts_call = counts_call
         self._reason = reason  # None: "device" where something moved, else "avg"
         self._target: Optional[torch.device] = None
         self._works: List[Any] = []
@@ -114,8 +119,13 @@ class Staging:
         self._seconds = 0.0
 
     def op(self, op: Any) -> Any:
-        """The reduce op to send: SUM where AVG is emulated."""
-        return _SUM if self._divisor != 1 else op
+        """The reduce op to send: SUM where AVG is emulated (even at world size 1, where NCCL's AVG is wrong)."""
+        return _SUM if self._average else op
+
+    @property
+    def staged(self) -> bool:
+        """Whether this call moved anything between devices or emulates AVG: what makes it a staged call."""
+        return bool(self._moves) or self._average
 
     @property
     def target(self) -> torch.device:
@@ -156,16 +166,13 @@ class Staging:
         self._write_back_later(buffer, [tensor], None)
         return buffer
 
-    def receive_all(self, tensors: List[torch.Tensor], reads: bool = False) -> List[torch.Tensor]:
+    def receive_all(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         """Where the collective writes a list: itself if served, else views of one flat buffer."""
         if served(self._info, tensors):
             if self._divisor != 1:
                 self._divided.extend(tensors)
             return tensors
-        if reads:
-            flat = self._flat_copy(tensors)
-        else:
-            flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=self.target)
+        flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=self.target)
         self._write_back_later(flat, tensors, None)
         return _pieces(flat, tensors)
 
@@ -196,24 +203,27 @@ class Staging:
         """Keep the work of a collective issued on the staged tensors."""
         self._works.append(work)
 
-    def finish(self, async_op: bool) -> Optional[DeferredWork]:
-        """Wait and write back now (sync), or return the handle whose ``wait()`` will (async)."""
+    def finish(self, async_op: bool, outputs: List[torch.Tensor]) -> Optional[DeferredWork]:
+        """Wait and write back now (sync), or return the handle whose ``wait()`` will (async).
+
+        ``outputs``: the caller's tensors the call writes, which the handle's
+        ``result()`` and future hold, as torch's do.
+        """
         if async_op:
-            return self.handle()
+            return self.handle(outputs)
         write = self._writer()
         for work in self._works:
             work.wait()
         write()
         return None
 
-    def handle(self) -> DeferredWork:
+    def handle(self, outputs: List[torch.Tensor]) -> DeferredWork:
         """The work handle of the issued collectives: its ``wait()`` also writes the results back."""
-        outputs = [t for _, targets, _ in self._restores for t in targets]
         # The note reads the name and moves, never this object: a handle must not keep the group alive.
         return DeferredWork(self._works, self._writer(), outputs, functools.partial(_note, self.name, self._moves))
 
     def _writer(self) -> Callable[[], None]:
-        return _writer(self.name, self._restores, self._divided, self._divisor)
+        return _writer(self.name if self.staged else None, self._restores, self._divided, self._divisor)
 
     def _write_back_later(self, buffer: torch.Tensor, targets: List[torch.Tensor], starts: Optional[List[int]]) -> None:
         """Plan writing ``buffer`` back into ``targets`` once the collective succeeded; count what it will move."""
@@ -226,8 +236,8 @@ class Staging:
         """One flat copy of ``tensors`` (one device) on ``device`` (the target): joined, then one transfer."""
         device = self.target if device is None else device
         start = time.perf_counter()
-        if len(tensors) == 1:
-            copy = tensors[0].reshape(-1).to(device, copy=True)
+        if len(tensors) == 1:  # reshape copies a strided tensor already: then moving it is the one copy
+            copy = tensors[0].reshape(-1).to(device, copy=tensors[0].is_contiguous())
         else:  # cat makes the copy; moving it is the one transfer
             copy = torch.cat([t.reshape(-1) for t in tensors]).to(device)
         if device != tensors[0].device:
@@ -243,9 +253,10 @@ class Staging:
         return self
 
     def __exit__(self, kind: Any, error: Optional[BaseException], trace: Any) -> None:
-        count_staging(self.name, self._nbytes, self._seconds, new_call=bool(self._moves))
-        reason = self._reason or ("device" if self._moves else "avg")
-        log_first_staging(self.name, id(self._pg), reason, self._log_message)
+        if self.staged:  # a coalesced call on served tensors stages nothing: nothing to count or say
+            count_staging(self.name, self._nbytes, self._seconds, new_call=self._counts_call and bool(self._moves))
+            reason = self._reason or ("device" if self._moves else "avg")
+            log_first_staging(self.name, id(self._pg), reason, self._log_message)
         if error is not None and self._moves and not getattr(error, "__notes__", None):
             add_note(error, _note(self.name, self._moves))
 
@@ -273,23 +284,31 @@ def _pieces(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
     return [piece if t.dim() == 1 else piece.view(t.shape) for piece, t in zip(pieces, like)]
 
 
-def _writer(name: str, restores: List[_Restore], divided: List[torch.Tensor], divisor: int) -> Callable[[], None]:
+def _writer(name: Optional[str], restores: List[_Restore], divided: List[torch.Tensor],
+            divisor: int) -> Callable[[], None]:
     """The step after the collective: divide for emulated AVG, then write the results back.
 
-    It holds tensors and the op's name, not the group: a work handle keeps it, and
-    what a work handle holds must not keep the group alive (see ``DeferredWork``).
+    Every division runs before any write-back, so a division that fails leaves
+    the caller's tensors as they were. ``name`` is the op to count the time for
+    (None: nothing was staged). It holds tensors and the op's name, not the group:
+    a work handle keeps it, and what a work handle holds must not keep the group
+    alive (see ``DeferredWork``).
     """
+    targets = [t for _, written, _ in restores for t in written] + divided
+    inference = any(t.is_inference() for t in targets)
 
     def write() -> None:
         start = time.perf_counter()
-        with torch.no_grad():  # like c10d, write results in place whatever autograd thinks
-            for tensor in divided:
-                tensor.div_(divisor)
-            for buffer, targets, starts in restores:
-                if divisor != 1:
-                    buffer.div_(divisor)
-                _write_back(buffer, targets, starts)
-        count_staging(name, 0, time.perf_counter() - start, new_call=False)
+        # Like c10d, write results in place whatever autograd thinks; tensors made under
+        # inference_mode are written back under it, wherever the wait happens.
+        with torch.inference_mode() if inference else torch.no_grad():
+            if divisor != 1:
+                for tensor in divided + [buffer for buffer, _, _ in restores]:
+                    tensor.div_(divisor)
+            for buffer, written, starts in restores:
+                _write_back(buffer, written, starts)
+        if name is not None:
+            count_staging(name, 0, time.perf_counter() - start, new_call=False)
 
     return write
 

@@ -48,7 +48,7 @@ class DeferredWork(dist.Work):
                 work.wait() if timeout is None else work.wait(timeout)
         except BaseException as error:
             note = self._note()
-            if note:
+            if note and note not in getattr(error, "__notes__", ()):  # once, however often it is waited on
                 add_note(error, note)
             raise
         self._finish_once()

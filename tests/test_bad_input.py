@@ -66,6 +66,8 @@ CASES = [
     ("reduce dst type", lambda t, m: comm.reduce(t, dst=0.5), TypeError, "dst must be an int, got float"),
     ("all_gather_into_tensor size", lambda t, m: comm.all_gather_into_tensor(torch.zeros(3), t), ValueError,
      r"output_tensor has 3 elements; expected 4"),
+    ("all_gather_into_tensor None input", lambda t, m: comm.all_gather_into_tensor(torch.zeros(4), None), TypeError,
+     "input_tensor must be a torch.Tensor, got NoneType"),
     ("reduce_scatter_tensor dtype", lambda t, m: comm.reduce_scatter_tensor(torch.zeros(4), t.long()), ValueError,
      "input has dtype torch.int64; expected torch.float32"),
     ("all_reduce_coalesced not a list", lambda t, m: comm.all_reduce_coalesced(t), TypeError,

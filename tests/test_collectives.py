@@ -76,6 +76,9 @@ def _wrapper_calls(rank, group):
         ("all_gather_into_tensor", lambda m, t, a: m.all_gather_into_tensor(t[0], t[1], group, a), into),
         ("reduce_scatter_tensor", lambda m, t, a: m.reduce_scatter_tensor(t[0], t[1], group=group, async_op=a),
          scatter),
+        ("all_gather_single", lambda m, t, a: m.all_gather_single(t[0], t[1], group, a), into),
+        ("reduce_scatter_single", lambda m, t, a: m.reduce_scatter_single(t[0], t[1], group=group, async_op=a),
+         scatter),
         ("gather", lambda m, t, a: m.gather(t[0], t[1:] if is_root else None, dst=root, group=group, async_op=a),
          gather),
         ("scatter", lambda m, t, a: m.scatter(t[0], t[1:] if is_root else None, src=root, group=group, async_op=a),
@@ -85,6 +88,7 @@ def _wrapper_calls(rank, group):
         ("all_to_all_single", lambda m, t, a: m.all_to_all_single(t[0], t[1], group=group, async_op=a), even),
         ("all_to_all_single uneven", lambda m, t, a: m.all_to_all_single(t[0], t[1], receives, sends, group, a),
          uneven),
+        ("all_to_all_single empty splits", lambda m, t, a: m.all_to_all_single(t[0], t[1], [], [], group, a), even),
     ]
 
 
@@ -172,6 +176,15 @@ def _cpu_tensors_on_simulated_hccl(rank, world_size):
     future = comm.all_reduce(torch.ones(3), async_op=True).get_future()
     if not torch.equal(future.wait()[0], torch.full((3,), float(world_size))):
         differences.append("get_future result differs")
+    sent = torch.ones(2)  # the root of a staged broadcast writes nothing back, yet its future holds the tensor
+    if comm.broadcast(sent, src=0, async_op=True).get_future().wait()[0] is not sent:
+        differences.append("a staged broadcast's future does not hold the caller's tensor")
+    with torch.inference_mode():
+        made_in_inference = torch.ones(3)
+        pending = comm.all_reduce(made_in_inference, async_op=True)
+    pending.wait()  # written back outside inference_mode
+    if not torch.equal(made_in_inference, torch.full((3,), float(world_size))):
+        differences.append("an inference tensor was not written back")
     return differences + _object_collectives(rank, world_size)
 
 
@@ -231,6 +244,14 @@ def _uneven_and_avg(rank, world_size, force_avg_emulation):
     integers = torch.arange(4)
     with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
         comm.all_reduce(integers, op=ReduceOp.AVG)
+    floats = torch.ones(3)
+    with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
+        comm.all_reduce_coalesced([floats, integers], op=ReduceOp.AVG)  # the integer tensor comes second
+    seen["floats_untouched"] = torch.equal(floats, torch.ones(3))
+    alone = [dist.new_group([r]) for r in range(world_size)][rank]  # a group of one (NCCL's AVG is wrong there)
+    by_itself = values.clone()
+    comm.all_reduce(by_itself, ReduceOp.AVG, alone)
+    seen["avg_alone"] = torch.equal(by_itself, values)
     # Emulated AVG refuses integers before communicating; gloo's native AVG raises
     # the same error only after its SUM landed in the tensor (torch's behaviour).
     seen["integers_untouched"] = torch.equal(integers, torch.arange(4))
@@ -266,6 +287,8 @@ def _check_uneven_and_avg(results, world_size):
         else:
             assert torch.equal(seen["reduce_scatter"], reference[rank * 6 : rank * 6 + 6])
         assert seen["integers_untouched"] or not seen["emulated"]
+        assert seen["floats_untouched"] or not seen["emulated"]
+        assert seen["avg_alone"]
 
 
 @pytest.mark.parametrize("force_avg_emulation", [False, True], ids=["native-avg", "emulated-avg"])
@@ -336,6 +359,7 @@ def _stats_and_log(rank, world_size):
         comm.all_reduce(torch.ones(4))  # staged: 16 bytes in, 16 bytes back
     comm.all_reduce(torch.ones(4, device=f"npu:{rank}"))  # native
     comm.broadcast(torch.ones(2, dtype=torch.float64), src=0)
+    comm.all_reduce_coalesced([torch.ones(2, device=f"npu:{rank}")] * 2)  # served: nothing staged, nothing said
     stats = comm.stats()
     comm.testing.reset_counters()
     many = [torch.full((3,), float(rank)) for _ in range(8)]
@@ -356,6 +380,8 @@ def test_stats_and_first_staging_log():
         assert stats["all_reduce"]["staging_seconds"] > 0
         assert stats["broadcast"]["staged_calls"] == 1
         assert stats["broadcast"]["bytes_staged"] == 16
+        assert stats["all_reduce_coalesced"] == {"calls": 1, "staged_calls": 0, "bytes_staged": 0,
+                                                 "staging_seconds": 0.0}
         assert messages.count(
             f"all_reduce: staging 1 tensor(s) cpu -> npu:{rank}; 1 tensor(s) npu:{rank} -> cpu "
             "because the group serves only ['npu']"

@@ -59,6 +59,7 @@ def _functional_ops(rank, world_size, group_name, device):
     return {
         "all_reduce": lambda: FUNCTIONAL.all_reduce(x, "sum", group_name),
         "all_reduce avg": lambda: FUNCTIONAL.all_reduce(x, "avg", group_name),
+        "all_reduce transposed": lambda: FUNCTIONAL.all_reduce(x.reshape(2, 4).t(), "sum", group_name),
         "all_reduce_": lambda: FUNCTIONAL.all_reduce_(x.clone(), "max", group_name),
         "all_reduce_coalesced": lambda: FUNCTIONAL.all_reduce_coalesced([x, x * 2], "sum", group_name),
         "all_gather_into_tensor": lambda: FUNCTIONAL.all_gather_into_tensor(x, world_size, group_name),
@@ -74,9 +75,9 @@ def _functional_ops(rank, world_size, group_name, device):
 
 
 def _waited(result):
-    """What the functional op gave, once waited for: (device type, value on the CPU) per output."""
+    """What the functional op gave, once waited for: (device type, strides, value on the CPU) per output."""
     results = result if isinstance(result, list) else [result]
-    return [(r.device.type, FUNCTIONAL.wait_tensor(r).cpu()) for r in results]
+    return [(r.device.type, r.stride(), FUNCTIONAL.wait_tensor(r).cpu()) for r in results]
 
 
 def _offloaded_on_simulated_npu(rank, world_size):
@@ -115,8 +116,9 @@ def test_offloaded_shards_redistribute_under_the_patch_on_simulated_npu():
             device, value = seen["patched"][name]
             assert device == "cpu" and torch.equal(value, npu_value), name  # CPU in, CPU out, the same values
         for name, (on_cpu, on_npu) in seen["functional"].items():
-            assert [d for d, _ in on_cpu] == ["cpu"] * len(on_cpu), name
-            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(on_cpu, on_npu)), name
+            assert [d for d, _, _ in on_cpu] == ["cpu"] * len(on_cpu), name
+            assert [s for _, s, _ in on_cpu] == [s for _, s, _ in on_npu], name  # torch's layout
+            assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(on_cpu, on_npu)), name
         assert seen["async"] == ("AsyncCollectiveTensor", [3.0, 3.0, 3.0])
         reference = torch.nn.utils.get_total_norm([FULL, FULL.T.contiguous()]).item()
         assert seen["norm"] == pytest.approx(reference, rel=1e-6)

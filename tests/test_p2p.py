@@ -158,6 +158,16 @@ def _cpu_tensors_on_simulated_hccl(rank, world_size):
         comm.recv(mixed, 0)
         comm.send(torch.arange(3.0, device=npu) * 2, 0)
     seen["mixed"] = (mixed.cpu(), mixed.device.type)
+    comm.reset_stats()
+    received = torch.zeros(2)
+    if rank == 0:
+        comm.isend(torch.ones(2), 1).wait()
+    else:
+        comm.irecv(received, 0).wait()
+    ops = [comm.P2POp(comm.isend, torch.ones(2), 1 - rank), comm.P2POp(comm.irecv, torch.zeros(2), 1 - rank)]
+    for work in comm.batch_isend_irecv(ops):
+        work.wait()
+    seen["stats"] = comm.stats()
     return seen
 
 
@@ -169,6 +179,9 @@ def test_cpu_tensors_on_simulated_hccl():
         values, device = seen["mixed"]
         assert torch.equal(values, torch.arange(3.0) * (2 if rank == 0 else 1))
         assert device == ("npu" if rank == 0 else "cpu")
+        stats = seen["stats"]
+        assert stats["isend" if rank == 0 else "irecv"]["staged_calls"] == 1 and "recv" not in stats
+        assert stats["batch_isend_irecv"]["calls"] == stats["batch_isend_irecv"]["staged_calls"] == 1
 
 
 def _failures_leave_tensors_unchanged(rank, world_size):

@@ -18,6 +18,7 @@ import thirdparty
 from multiproc import NPU, SEED_ERROR, run_ranks
 
 WRAPPED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce",
+           "all_gather_single", "reduce_scatter_single",
            "all_reduce_coalesced", "gather", "scatter", "reduce_scatter", "all_to_all", "all_to_all_single", "barrier",
            "send", "recv", "isend", "irecv", "batch_isend_irecv")
 PLACES = [(m, n) for m in (dist, c10d) for n in WRAPPED]
@@ -135,6 +136,36 @@ def test_third_party_code_fails_unpatched_and_works_patched_on_simulated_hccl():
         assert torch.equal(seen["patched"], torch.full((2,), 3.0))
         assert seen["comm_still_works"] and seen["unpatched_again"]
         assert seen["clip"].item() == pytest.approx(48 ** 0.5)
+
+
+def _groups_created_while_patched(rank, world_size):
+    """Under the patch c10d creates groups as usual, on member and non-member ranks alike, and comm registers its
+    functional kernels once a group that does not serve the CPU exists (here, an hccl one)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import comm.functional
+
+    seen = {}
+    with comm.patched():
+        seen["gloo only"] = comm.functional.is_registered()
+        mesh = init_device_mesh("cpu", (2, 1))  # its size-1 dimension: groups this rank is not in
+        seen["mesh"] = mesh.shape
+        outsider = dist.new_group([0], backend="hccl")  # rank 1 gets torch's NON_GROUP_MEMBER
+        seen["member"] = outsider != dist.GroupMember.NON_GROUP_MEMBER
+        seen["after hccl subgroup"] = comm.functional.is_registered()
+        dist.new_group([0, 1], backend="hccl")
+        seen["after hccl group"] = comm.functional.is_registered()
+    seen["after unpatch"] = comm.functional.is_registered()
+    return seen
+
+
+def test_groups_created_while_patched():
+    results = run_ranks(_groups_created_while_patched, 2, backend="gloo", simulate=NPU)
+    for rank, seen in enumerate(results):
+        assert seen["gloo only"] is False and seen["mesh"] == (2, 1)
+        assert seen["member"] == (rank == 0)
+        assert seen["after hccl subgroup"] == (rank == 0)  # only a member holds the new group
+        assert seen["after hccl group"] is True and seen["after unpatch"] is False
 
 
 def _python(code, **env):

@@ -1,5 +1,7 @@
 """comm.staging: where a tensor goes when the group's backend does not serve its device."""
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +15,12 @@ def _staging_on_simulated_npu(rank, world_size):
     comm.init_process_group(store=file_store(world_size), rank=rank, world_size=world_size)
     gloo = dist.new_group([0, 1], backend="gloo")
     npu = torch.ones(2, device="npu")
+    from_a_thread = []
+    worker = threading.Thread(target=lambda: from_a_thread.append(str(comm.staging_device(torch.ones(2)))))
+    worker.start()
+    worker.join()
     return {
+        "from_a_thread": from_a_thread[0],  # a new thread's current device is npu:0; the rank's is its own
         "cpu_on_hccl": str(comm.staging_device(torch.ones(2))),
         "npu_on_hccl": comm.staging_device(npu),
         "cpu_on_gloo": comm.staging_device(torch.ones(2), gloo),
@@ -23,7 +30,7 @@ def _staging_on_simulated_npu(rank, world_size):
 
 def test_staging_device_on_simulated_npu():
     for rank, seen in enumerate(run_ranks(_staging_on_simulated_npu, 2, backend=None, simulate=NPU)):
-        assert seen["cpu_on_hccl"] == f"npu:{rank}"
+        assert seen["cpu_on_hccl"] == seen["from_a_thread"] == f"npu:{rank}"
         assert seen["npu_on_hccl"] is None
         assert seen["cpu_on_gloo"] is None
         assert seen["npu_on_gloo"] == "cpu"
