@@ -22,13 +22,16 @@ from comm.backend import _GroupInfo
 from comm.fastpath import fast_group, served, slow_path
 from comm.observability import call_counter
 from comm.staging import Staging
-from comm.work import DeferredWork
+from comm.work import DeferredWork, attribute_work
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 # torch's own functions, captured at import so that comm.patch() cannot make the
 # wrappers call themselves.
 _TORCH = types.SimpleNamespace(**{name: getattr(dist, name) for name in __all__ if name != "P2POp"})
+# torch's isend and irecv themselves, which a P2POp's op is compared with: while
+# comm.profile() runs, _TORCH holds timing wrappers of them.
+_TORCH_ISEND, _TORCH_IRECV = dist.isend, dist.irecv
 _COUNT = types.SimpleNamespace(**{name: call_counter(name) for name in __all__ if name != "P2POp"})
 
 Work = Any  # torch's work object, or comm's DeferredWork
@@ -65,6 +68,7 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.P
     if started is None:  # this rank is not in the group: torch's answer
         return -1
     handle, pg, src_global = started
+    attribute_work(handle, "recv")  # for comm.profile(): a recv, though it ran as torch's irecv
     handle.wait()
     return src_global if src_global is not None else dist.get_global_rank(pg, handle._source_rank())
 
@@ -174,9 +178,9 @@ def _direction(op: Any, name: str) -> str:
     code written against torch may match.
     """
     original = getattr(op, "__comm_replaces__", op)
-    if original is _TORCH.isend or op is isend:
+    if original is _TORCH_ISEND or op is isend:
         return "send"
-    if original is _TORCH.irecv or op is irecv:
+    if original is _TORCH_IRECV or op is irecv:
         return "recv"
     raise ValueError(f"Invalid ``op``: {name} must be torch.distributed.isend or irecv (or comm's), got {op!r}")
 
