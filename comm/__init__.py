@@ -5,7 +5,8 @@ How this process was launched (:mod:`comm.launch`), device binding
 onto a device the group's backend serves (:mod:`comm.staging`), the collectives
 (:mod:`comm.collectives`, :mod:`comm.exchange`) and point-to-point calls
 (:mod:`comm.p2p`) with their fast path (:mod:`comm.fastpath`), gradient norms (:mod:`comm.norm`),
-counters (:mod:`comm.observability`) and the drop-in mode (:mod:`comm.patch`).
+counters (:mod:`comm.observability`), the profiler (:mod:`comm.profiler`) and the drop-in mode
+(:mod:`comm.patch`).
 """
 
 import os
@@ -32,6 +33,7 @@ from comm.norm import clip_grad_norm_, total_norm
 from comm.observability import reset_stats, stats
 from comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from comm.patch import is_patched, patch, patched, unpatch
+from comm.profiler import Profile, profile, profile_if_asked
 from comm.staging import staging_device
 
 # The one place the version is written: setup.cfg reads it (version = attr: comm.__version__).
@@ -41,6 +43,7 @@ __all__ = [
     "JupyterCommWarning",
     "LaunchInfo",
     "P2POp",
+    "Profile",
     "accelerator_type",
     "all_gather",
     "all_gather_into_tensor",
@@ -66,6 +69,7 @@ __all__ = [
     "launch_info",
     "patch",
     "patched",
+    "profile",
     "recv",
     "reduce",
     "reduce_scatter",
@@ -92,3 +96,4 @@ def _patch_if_asked() -> None:
 
 warn_if_beside_jupyter()
 _patch_if_asked()
+profile_if_asked()

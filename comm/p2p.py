@@ -22,13 +22,16 @@ from comm.backend import _GroupInfo, _resolve_group
 from comm.fastpath import fast_group, served, slow_path
 from comm.observability import call_counter, count_staging
 from comm.staging import Staging
-from comm.work import DeferredWork
+from comm.work import DeferredWork, attribute_work
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 # torch's own functions, captured at import so that comm.patch() cannot make the
 # wrappers call themselves.
 _TORCH = types.SimpleNamespace(**{name: getattr(dist, name) for name in __all__ if name != "P2POp"})
+# torch's isend and irecv themselves, which a P2POp's op is compared with: while
+# comm.profile() runs, _TORCH holds timing wrappers of them.
+_TORCH_ISEND, _TORCH_IRECV = dist.isend, dist.irecv
 _COUNT = types.SimpleNamespace(**{name: call_counter(name) for name in __all__ if name != "P2POp"})
 
 Work = Any  # torch's work object, or comm's DeferredWork
@@ -40,7 +43,9 @@ def send(tensor: torch.Tensor, dst: Optional[int] = None, group: Optional[dist.P
     if _fast_peer(group, tensor, dst, group_dst):
         _COUNT.send()
         # torch's send is isend and wait; its own goes through the module's isend, comm's under the patch
-        _TORCH.isend(tensor, dst, group, tag).wait()
+        work = _TORCH.isend(tensor, dst, group, tag)
+        attribute_work(work, "send")  # for comm.profile(): a send, though it ran as torch's isend
+        work.wait()
         return None
     slow_path("send", group, _send, tensor, dst, tag, group_dst, False)
     return None
@@ -61,11 +66,14 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.P
     if _fast_peer(group, tensor, src, group_src, any_source=True):
         _COUNT.recv()
         # torch's recv is irecv and wait; its own goes through the module's irecv, comm's under the patch
-        return _received(_TORCH.irecv(tensor, src, group, tag), group, src)
+        work = _TORCH.irecv(tensor, src, group, tag)
+        attribute_work(work, "recv")  # for comm.profile(): a recv, though it ran as torch's irecv
+        return _received(work, group, src)
     started = slow_path("recv", group, _start_recv, "recv", tensor, src, tag, group_src)
     if started is None:  # this rank is not in the group: torch's answer
         return -1
     handle, pg, src_global = started
+    attribute_work(handle, "recv")  # for comm.profile(): a recv, though it ran as torch's irecv
     return _received(handle, pg, src_global)
 
 
@@ -175,6 +183,7 @@ def _send(pg: dist.ProcessGroup, info: _GroupInfo, tensor: torch.Tensor, dst: Op
         work = _TORCH.isend(tensor, dst_global, pg, tag)
         if async_op:
             return work
+        attribute_work(work, "send")  # for comm.profile(): a send, though it ran as torch's isend
         work.wait()
         return None
     with Staging("isend" if async_op else "send", pg, info) as staging:
@@ -209,9 +218,9 @@ def _direction(op: Any, name: str) -> str:
     code written against torch may match.
     """
     original = getattr(op, "__comm_replaces__", op)
-    if original is _TORCH.isend or op is isend:
+    if original is _TORCH_ISEND or op is isend:
         return "send"
-    if original is _TORCH.irecv or op is irecv:
+    if original is _TORCH_IRECV or op is irecv:
         return "recv"
     raise ValueError(f"Invalid ``op``: {name} must be torch.distributed.isend or irecv (or comm's), got {op!r}")
 

@@ -18,12 +18,15 @@ failure leaves them as they were. Whether a call needs staging at all is
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._C._autograd import _profiler_enabled
+from torch.autograd.profiler import record_function
 from torch.distributed import ReduceOp
 
 from comm.arguments import device_type
@@ -31,11 +34,12 @@ from comm.backend import _group_info, _GroupInfo, _native_avg, _resolve_group
 from comm.device import _is_available, accelerator_type, bound_device, current_device
 from comm.fastpath import served
 from comm.observability import count_staging, log_first_staging
-from comm.work import DeferredWork, add_note
+from comm.work import DeferredWork, add_note, attribute_work
 
 __all__ = ["staging_device"]
 
 _SUM, _AVG = ReduceOp.SUM, ReduceOp.AVG
+_UNTRACED = contextlib.nullcontext()
 
 
 def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> Optional[torch.device]:
@@ -82,6 +86,11 @@ def emulates_avg(op: Any, pg: dist.ProcessGroup, info: _GroupInfo, tensor: torch
         return False
     torch.empty(0, dtype=tensor.dtype).div_(2)  # torch's own error for integer and bool tensors
     return True
+
+
+def _traced(name: str) -> ContextManager[Any]:
+    """A range named ``name`` in torch's profiler trace while it records, else nothing (one C call to ask)."""
+    return record_function(name) if _profiler_enabled() else _UNTRACED
 
 
 # A buffer the collective wrote, the caller's tensors it goes back into, and where
@@ -143,7 +152,8 @@ class Staging:
         if device_type(tensor) in self._info.device_types:
             return tensor
         start = time.perf_counter()
-        copy = tensor.to(self.target, copy=True, memory_format=torch.contiguous_format)
+        with _traced("comm.stage_in"):
+            copy = tensor.to(self.target, copy=True, memory_format=torch.contiguous_format)
         self._moved([tensor], tensor.device, self.target, start)
         return copy
 
@@ -200,8 +210,9 @@ class Staging:
         return flat
 
     def issue(self, work: Any) -> None:
-        """Keep the work of a collective issued on the staged tensors."""
+        """Keep the work of a collective issued on the staged tensors (comm.profile() files it under this call)."""
         self._works.append(work)
+        attribute_work(work, self.name)
 
     def finish(self, async_op: bool, outputs: List[torch.Tensor]) -> Optional[DeferredWork]:
         """Wait and write back now (sync), or return the handle whose ``wait()`` will (async).
@@ -236,10 +247,11 @@ class Staging:
         """One flat copy of ``tensors`` (one device) on ``device`` (the target): joined, then one transfer."""
         device = self.target if device is None else device
         start = time.perf_counter()
-        if len(tensors) == 1:  # reshape copies a strided tensor already: then moving it is the one copy
-            copy = tensors[0].reshape(-1).to(device, copy=tensors[0].is_contiguous())
-        else:  # cat makes the copy; moving it is the one transfer
-            copy = torch.cat([t.reshape(-1) for t in tensors]).to(device)
+        with _traced("comm.stage_in"):
+            if len(tensors) == 1:  # reshape copies a strided tensor already: then moving it is the one copy
+                copy = tensors[0].reshape(-1).to(device, copy=tensors[0].is_contiguous())
+            else:  # cat makes the copy; moving it is the one transfer
+                copy = torch.cat([t.reshape(-1) for t in tensors]).to(device)
         if device != tensors[0].device:
             self._moved(tensors, tensors[0].device, device, start)
         return copy
@@ -301,7 +313,7 @@ def _writer(name: Optional[str], restores: List[_Restore], divided: List[torch.T
         start = time.perf_counter()
         # Like c10d, write results in place whatever autograd thinks; tensors made under
         # inference_mode are written back under it, wherever the wait happens.
-        with torch.inference_mode() if inference else torch.no_grad():
+        with torch.inference_mode() if inference else torch.no_grad(), _traced("comm.write_back"):
             if divisor != 1:
                 for tensor in divided + [buffer for buffer, _, _ in restores]:
                     tensor.div_(divisor)

@@ -1,9 +1,10 @@
-"""The work handle of a staged call: waiting on it also writes the results back."""
+"""Work handles comm returns in place of torch's: a staged call's, which writes the results
+back when waited on, and a profiled call's, which tells comm.profile() when it completed."""
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -115,3 +116,91 @@ def _future_of(work: Any) -> torch.futures.Future[Any]:
     else:
         done.set_result(None)
     return done
+
+
+class TimedCall(Protocol):
+    """A call comm.profile() is timing: told when each of its works is seen complete, and what to file it under."""
+
+    ends_on_completion: bool  # whether seeing it complete ends it, or only wait() (device clocks)
+
+    def one_done(self) -> None: ...
+
+    def rename(self, name: str) -> None: ...
+
+
+_TIMED_LOCK = threading.Lock()
+
+
+class TimedWork(dist.Work):
+    """The work handle of a call comm.profile() times: the call ends when ``wait()`` returns.
+
+    Where seeing it complete ends it too (the host clock), so do ``is_completed()``
+    returning True and the completion of ``get_future()``'s future. A
+    ``torch.distributed.Work`` like the handle it wraps, whose answers it gives.
+    """
+
+    def __init__(self, work: Any, call: TimedCall) -> None:
+        super().__init__()
+        self._work = work
+        self._call: Optional[TimedCall] = call
+
+    def wait(self, *timeout: Any) -> Any:
+        done = self._work.wait(*timeout)
+        self._done()
+        return done
+
+    def is_completed(self) -> bool:
+        completed = bool(self._work.is_completed())
+        if completed and self._ends_on_completion():
+            self._done()
+        return completed
+
+    def get_future(self) -> Any:
+        future = self._work.get_future()
+        if not self._ends_on_completion():
+            return future
+
+        def finished(done: Any) -> Any:
+            value = done.value()  # re-raises the collective's error: a failed call is not timed
+            self._done()
+            return value
+
+        return future.then(finished)  # completes once the call is recorded
+
+    # What torch's Work defines itself, so the wrapped handle must answer explicitly.
+    def is_success(self) -> bool:
+        return bool(self._work.is_success())
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def result(self) -> Any:
+        return self._work.result()
+
+    def source_rank(self) -> int:
+        return int(self._work.source_rank())
+
+    def _source_rank(self) -> int:
+        return int(self._work._source_rank())
+
+    def synchronize(self) -> None:
+        self._work.synchronize()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+    def _ends_on_completion(self) -> bool:
+        call = self._call
+        return call is not None and call.ends_on_completion
+
+    def _done(self) -> None:
+        with _TIMED_LOCK:
+            call, self._call = self._call, None
+        if call is not None:
+            call.one_done()
+
+
+def attribute_work(work: Any, name: str) -> None:
+    """File a profiled call's work under comm's call ``name`` (staging runs torch functions named otherwise)."""
+    if type(work) is TimedWork and work._call is not None:
+        work._call.rename(name)

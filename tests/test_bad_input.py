@@ -112,6 +112,8 @@ CASES = [
      "COMM_DEVICE='tpu' names a device type that is not available.*expected 'cpu' or an available accelerator"),
     ("COMM_PATCH=maybe", lambda t, m: _env(m, "COMM_PATCH", "maybe", comm._patch_if_asked), ValueError,
      "COMM_PATCH='maybe' is not understood; expected 1 or 0"),
+    ("COMM_PROFILE=maybe", lambda t, m: _env(m, "COMM_PROFILE", "maybe", comm.profiler.profile_if_asked), ValueError,
+     "COMM_PROFILE='maybe' is not understood; expected 1 .*, all .* or 0"),
     ("default_backend type", lambda t, m: comm.default_backend(3), ValueError,
      "device_type must be a device type string such as 'cuda', got 3"),
     ("default_backend unknown", lambda t, m: comm.default_backend("tpu"), RuntimeError,

@@ -16,7 +16,8 @@ a fallback that runs every other operator's CPU kernel on the same memory, and a
 c10d ``Backend`` that runs collectives with gloo on that memory.
 
 Known differences from a real device: everything runs synchronously on the CPU, so
-streams and events order nothing and a missing synchronisation cannot show up;
+streams and events order nothing and a missing synchronisation cannot show up (events
+record the host's time, so timing events measure host time);
 operators run the CPU's kernels (its dtypes, numerics and errors); device random
 numbers come from the CPU generator (no ``torch.Generator("npu")``); collectives
 run on gloo (what gloo lacks fails with gloo's error; ``unsupported_ops`` adds the

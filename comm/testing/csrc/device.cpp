@@ -7,6 +7,7 @@
 // and one fallback kernel that runs every other operator with the CPU kernel on
 // CPU tensors over the same memory, then hands the results back as device tensors.
 #include <array>
+#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <unordered_set>
@@ -53,7 +54,9 @@ c10::Stream make_stream(c10::DeviceIndex index, c10::StreamId id) {
   return c10::Stream(c10::Stream::UNSAFE, c10::Device(kDevice, index), id);
 }
 
-char event_marker; // every event: work here is synchronous, so each is complete when recorded
+// An event holds the host time it was last recorded at: work here is synchronous, so
+// each event is complete when recorded, and the time between two is the host's.
+using EventClock = std::chrono::steady_clock;
 
 struct Guard final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kDevice; }
@@ -83,7 +86,15 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
     return previous;
   }
   void record(void** event, const c10::Stream&, c10::DeviceIndex, c10::EventFlag) const override {
-    *event = &event_marker;
+    if (*event == nullptr) *event = new EventClock::time_point();
+    *static_cast<EventClock::time_point*>(*event) = EventClock::now();
+  }
+  void destroyEvent(void* event, c10::DeviceIndex) const noexcept override {
+    delete static_cast<EventClock::time_point*>(event);
+  }
+  double elapsedTime(void* first, void* second, c10::DeviceIndex) const override {
+    auto interval = *static_cast<EventClock::time_point*>(second) - *static_cast<EventClock::time_point*>(first);
+    return std::chrono::duration<double, std::milli>(interval).count();
   }
   void block(void*, const c10::Stream&) const override {}
   bool queryEvent(void*) const override { return true; }

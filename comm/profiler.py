@@ -1,0 +1,375 @@
+"""Profiling: how long each collective took, at what size and bandwidth, and what staging cost.
+
+``with comm.profile() as prof:`` times every collective and point-to-point call
+comm makes inside the block, from any thread: fast path, slow path and staged,
+sync and async. ``prof.summary()`` is a plain-text table and ``prof.to_dict()``
+the figures, per collective and per power-of-two message size, with bus
+bandwidth by the nccl-tests formulas (:mod:`comm._profile_figures`).
+
+It costs nothing when off. comm's wrappers reach torch through namespaces looked
+up on every call (``_TORCH`` in :mod:`comm.collectives`, :mod:`comm.exchange` and
+:mod:`comm.p2p`); while a profile is open their entries are timing wrappers of
+torch's functions, and when the last one closes they are torch's own again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import sys
+import threading
+import time
+from types import TracebackType
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _world
+
+from comm import collectives, exchange, observability, p2p, staging
+from comm._profile_figures import MESSAGE_ARGUMENT, Measured, collective_dict, message, summary_table
+from comm.launch import launch_info
+from comm.work import TimedWork
+
+__all__ = ["Profile", "profile"]
+
+# Each timed function's leading parameters, in order: torch.distributed's signatures.
+_SIGNATURES: Dict[str, Tuple[str, ...]] = {
+    "all_reduce": ("tensor", "op", "group", "async_op"),
+    "broadcast": ("tensor", "src", "group", "async_op"),
+    "reduce": ("tensor", "dst", "op", "group", "async_op"),
+    "all_gather": ("tensor_list", "tensor", "group", "async_op"),
+    "all_gather_into_tensor": ("output_tensor", "input_tensor", "group", "async_op"),
+    "reduce_scatter": ("output", "input_list", "op", "group", "async_op"),
+    "reduce_scatter_tensor": ("output", "input", "op", "group", "async_op"),
+    "barrier": ("group", "async_op"),
+    "gather": ("tensor", "gather_list", "dst", "group", "async_op"),
+    "scatter": ("tensor", "scatter_list", "src", "group", "async_op"),
+    "all_to_all": ("output_tensor_list", "input_tensor_list", "group", "async_op"),
+    "all_to_all_single": ("output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"),
+    "send": ("tensor", "dst", "group"),
+    "recv": ("tensor", "src", "group"),
+    "isend": ("tensor", "dst", "group"),
+    "irecv": ("tensor", "src", "group"),
+    "batch_isend_irecv": ("p2p_op_list",),
+}
+_ALWAYS_ASYNC = frozenset({"isend", "irecv", "batch_isend_irecv"})
+
+
+def _a_tensor(name: str, arguments: Dict[str, Any]) -> Optional[torch.Tensor]:
+    """A tensor of the call, from its message: the device it runs on, which chooses the clock."""
+    if name == "barrier":
+        return None
+    if name == "batch_isend_irecv":
+        return arguments["p2p_op_list"][0].tensor if arguments["p2p_op_list"] else None
+    value: Any = arguments[MESSAGE_ARGUMENT.get(name, "tensor")]
+    tensor: Optional[torch.Tensor] = value[0] if type(value) is list and value else value
+    return tensor
+
+
+def _group_size(name: str, arguments: Dict[str, Any]) -> int:
+    group: Any = arguments["p2p_op_list"][0].group if name == "batch_isend_irecv" else arguments.get("group")
+    if group is None:
+        group = _world._default_pg
+    return int(group.size())
+
+
+class _HostClock:
+    """time.perf_counter: for devices where a call's return (or its wait's) means it has completed."""
+
+    label = "host"
+
+    def start(self) -> Any:
+        return time.perf_counter()
+
+    def elapsed(self, started: Any) -> Any:
+        return time.perf_counter() - started
+
+
+class _EventClock:
+    """Timing events on the device's current stream, read later: the host returns before the device finishes."""
+
+    def __init__(self, module: Any, device: torch.device) -> None:
+        self._module = module
+        self._device = device
+        self.label = f"{device.type} events"
+
+    def start(self) -> Any:
+        event = self._module.Event(enable_timing=True)
+        event.record(self._module.current_stream(self._device))
+        return event
+
+    def elapsed(self, started: Any) -> Any:
+        return (started, self.start())  # a pair of events: reading their interval waits for the device
+
+
+_HOST = _HostClock()
+_EVENT_MODULES: Dict[str, Optional[Any]] = {}  # device type -> its torch module, where its events can time
+
+
+def _clock(tensor: Optional[torch.Tensor]) -> Optional[Any]:
+    """How to time a call on ``tensor``'s device; None while that device's stream is captured into a graph."""
+    if tensor is None or tensor.is_cpu:
+        return _HOST
+    kind = tensor.device.type
+    if kind not in _EVENT_MODULES:
+        _EVENT_MODULES[kind] = None if kind == "meta" else _timing_events(kind)
+    module = _EVENT_MODULES[kind]
+    if module is None:
+        return _HOST
+    capturing = getattr(module, "is_current_stream_capturing", None)
+    if capturing is not None and capturing():
+        return None
+    return _EventClock(module, tensor.device)
+
+
+def _timing_events(kind: str) -> Optional[Any]:
+    """The device's torch module if its events can time work, else None (the host clock times it)."""
+    module = getattr(torch, kind, None)
+    try:
+        first, second = module.Event(enable_timing=True), module.Event(enable_timing=True)  # type: ignore[union-attr]
+        first.record()
+        second.record()
+        second.synchronize()
+        first.elapsed_time(second)
+    except Exception:  # noqa: BLE001 - whatever fails, this device's events cannot time
+        return None
+    return module
+
+
+class _Inside(threading.local):
+    depth = 0  # inside a timed call on this thread: calls it makes (torch's batch, a patched isend) are its own
+
+
+_INSIDE = _Inside()
+_DONE_LOCK = threading.Lock()
+
+
+class _Call:
+    """One timed collective: torch's function and its arguments, its clock and start, the profiles it goes to.
+
+    ``name`` is the comm call it is filed under; ``function`` (torch's) says what the message is.
+    """
+
+    def __init__(self, function: str, arguments: Dict[str, Any], profiles: Tuple["Profile", ...], clock: Any,
+                 started: Any) -> None:
+        self.name = self.function = function
+        self.clock = clock
+        self.ends_on_completion = clock is _HOST  # on a device clock, only wait() ends a call
+        self._arguments = arguments
+        self._profiles = profiles
+        self._started = started
+        self._remaining = 0
+
+    def track(self, result: Any) -> Any:
+        """What an async call returns: its work (or list of works) timed until each is seen complete."""
+        works = result if isinstance(result, list) else [result]
+        self._remaining = len(works)
+        for profile in self._profiles:
+            profile._pending_change(self.name, 1)
+        timed = [TimedWork(work, self) for work in works]
+        if not works:
+            self.one_done()
+        return timed if isinstance(result, list) else timed[0]
+
+    def rename(self, name: str) -> None:
+        """File the call under ``name``: the comm call that staged it, not the torch function it ran."""
+        for profile in self._profiles:
+            profile._pending_change(self.name, -1)
+            profile._pending_change(name, 1)
+        self.name = name
+
+    def one_done(self) -> None:
+        with _DONE_LOCK:
+            self._remaining -= 1
+            if self._remaining > 0:
+                return
+        for profile in self._profiles:
+            profile._pending_change(self.name, -1)
+        _file(self._profiles, self.name, self.function, self._arguments, self.clock.elapsed(self._started),
+              self.clock.label)
+
+
+def _file(profiles: Tuple["Profile", ...], name: str, function: str, arguments: Dict[str, Any], elapsed: Any,
+          clock: str) -> None:
+    """Record a finished call of torch's ``function`` under comm's ``name`` in ``profiles``."""
+    nbytes, bus = message(function, arguments, _group_size(function, arguments))
+    for profile in profiles:
+        profile._record(name, nbytes, bus, elapsed, clock)
+
+
+def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (torch's function ``name``), timed into every open profile."""
+    params = _SIGNATURES[name]
+
+    @functools.wraps(original)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        profiles = _ACTIVE
+        if not profiles or _INSIDE.depth:
+            return original(*args, **kwargs)
+        arguments = dict(zip(params, args))
+        if kwargs:
+            arguments.update(kwargs)
+        clock = _clock(_a_tensor(name, arguments))
+        if clock is None:
+            return original(*args, **kwargs)
+        _INSIDE.depth += 1
+        try:
+            started = clock.start()
+            result = original(*args, **kwargs)
+            elapsed = None if name in _ALWAYS_ASYNC or arguments.get("async_op") else clock.elapsed(started)
+        finally:
+            _INSIDE.depth -= 1
+        if elapsed is not None:
+            _file(profiles, name, name, arguments, elapsed, clock.label)
+            return result
+        return None if result is None else _Call(name, arguments, profiles, clock, started).track(result)
+
+    return timed
+
+
+def _count_staging(op: str, nbytes: int, seconds: float, *, new_call: bool) -> None:
+    """comm.stats()'s staging counter, also counted into every open profile."""
+    observability.count_staging(op, nbytes, seconds, new_call=new_call)
+    for open_profile in _ACTIVE:
+        open_profile._staged(op, nbytes, seconds, new_call)
+
+
+class Profile:
+    """What one ``comm.profile()`` block measured: read it with :meth:`summary` or :meth:`to_dict`.
+
+    It records calls issued while it is open and completed before it closes (an
+    async call counts when its ``wait()`` returns); readable inside the block too.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = "new"
+        self._measured = Measured()
+        self.rank: Optional[int] = None
+        self.world_size: Optional[int] = None
+
+    def __enter__(self) -> "Profile":
+        _open(self)
+        return self
+
+    def __exit__(self, kind: Optional[Type[BaseException]], error: Optional[BaseException],
+                 trace: Optional[TracebackType]) -> None:
+        _close(self)
+
+    def to_dict(self) -> Dict[str, Dict[str, Any]]:
+        """Per collective: ``calls``, ``bytes``, ``seconds``, ``mean_seconds``, ``max_seconds``,
+        ``algbw_gbps``, ``busbw_gbps``, ``staged_calls``, ``staged_bytes``, ``staged_seconds``,
+        ``pending`` (async calls not yet seen complete) and ``sizes``, the same per message size."""
+        with self._lock:
+            return collective_dict(self._measured)
+
+    def summary(self) -> str:
+        """A plain-text table: one row per collective and message size, then what staging copied."""
+        with self._lock:
+            return summary_table(self._measured, self.rank, self.world_size)
+
+    def _record(self, name: str, nbytes: int, bus: float, elapsed: Any, clock: str) -> None:
+        with self._lock:
+            if self._state != "open":
+                return
+            if self.rank is None and dist.is_initialized():
+                self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self._measured.record(name, nbytes, bus, elapsed, clock)
+
+    def _staged(self, op: str, nbytes: int, seconds: float, new_call: bool) -> None:
+        with self._lock:
+            if self._state == "open":
+                self._measured.staged(op, nbytes, seconds, new_call)
+
+    def _pending_change(self, name: str, change: int) -> None:
+        with self._lock:
+            if self._state == "open":
+                pending = self._measured.pending
+                pending[name] = pending.get(name, 0) + change
+                if not pending[name]:
+                    del pending[name]
+
+
+def profile() -> Profile:
+    """A context manager that times every comm collective and point-to-point call made inside it.
+
+    ``with comm.profile() as prof: ...`` then ``print(prof.summary())``. Blocks nest
+    (each sees the calls made while it is open) and see calls from every thread.
+    """
+    return Profile()
+
+
+_LOCK = threading.Lock()
+_ACTIVE: Tuple[Profile, ...] = ()  # replaced whole: a reader never sees half of it
+_SAVED: List[Tuple[Any, str, Any]] = []  # (namespace or module, attribute, torch's or comm's own object)
+
+
+def _open(block: Profile) -> None:
+    global _ACTIVE
+    with _LOCK:
+        if block._state != "new":
+            raise RuntimeError("this profile has already recorded a block; call comm.profile() for another")
+        if not _ACTIVE:
+            _install()
+        with block._lock:
+            block._state = "open"
+        _ACTIVE = (*_ACTIVE, block)
+
+
+def _close(block: Profile) -> None:
+    global _ACTIVE
+    with _LOCK:
+        with block._lock:
+            block._state = "closed"
+        _ACTIVE = tuple(other for other in _ACTIVE if other is not block)
+        if not _ACTIVE:
+            for holder, attribute, original in reversed(_SAVED):
+                setattr(holder, attribute, original)
+            _SAVED.clear()
+
+
+def _install() -> None:
+    """Put timing wrappers where comm's collectives look torch up, and count staging into the profiles."""
+    swaps: List[Tuple[Any, str, Any]] = [
+        (module._TORCH, name, _timed(name, getattr(module._TORCH, name)))
+        for module in (collectives, exchange, p2p) for name in _SIGNATURES if hasattr(module._TORCH, name)
+    ]
+    # What staged gathers and reduce-scatters call for one flat buffer, outside _TORCH.
+    swaps.append((collectives, "_all_gather_flat", _timed("all_gather_into_tensor", collectives._all_gather_flat)))
+    swaps.append((collectives, "_reduce_scatter_flat",
+                  _timed("reduce_scatter_tensor", collectives._reduce_scatter_flat)))
+    swaps.append((staging, "count_staging", _count_staging))
+    for holder, attribute, replacement in swaps:
+        _SAVED.append((holder, attribute, getattr(holder, attribute)))
+        setattr(holder, attribute, replacement)
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def profile_if_asked() -> None:
+    """``COMM_PROFILE=1``: profile the whole process, print the table to stderr at exit (rank 0; ``all``: all)."""
+    value = os.environ.get("COMM_PROFILE", "")
+    mode = value.strip().lower()
+    if mode in _FALSE:
+        return
+    if mode not in _TRUE and mode != "all":
+        raise ValueError(f"COMM_PROFILE={value!r} is not understood; expected 1 (rank 0 prints the profile at exit), "
+                         "all (every rank does) or 0")
+    whole = profile()
+    whole.__enter__()
+    atexit.register(_print_at_exit, whole, mode == "all")
+
+
+def _print_at_exit(whole: Profile, every_rank: bool) -> None:
+    whole.__exit__(None, None, None)
+    rank = whole.rank
+    if rank is None:
+        try:
+            rank = launch_info().rank
+        except ValueError:
+            rank = 0
+    if every_rank or rank == 0:
+        print(whole.summary(), file=sys.stderr, flush=True)
