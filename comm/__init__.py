@@ -10,6 +10,7 @@ counters (:mod:`comm.observability`) and the drop-in mode (:mod:`comm.patch`).
 
 import os
 
+from comm import compile as _compile
 from comm._jupyter import JupyterCommWarning, warn_if_beside_jupyter
 from comm.backend import default_backend, device_types, init_process_group
 from comm.collectives import (
@@ -87,4 +88,5 @@ def _patch_if_asked() -> None:
 
 
 warn_if_beside_jupyter()
+_compile.install()
 _patch_if_asked()
