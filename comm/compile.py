@@ -45,6 +45,10 @@ from comm.staging import _staging_target
 __all__: List[str] = []
 
 _SUM = ReduceOp.SUM
+# What the twins read, as globals of their own: reaching an object through
+# torch's modules as well would add a guard, evaluated in Python on every call,
+# that both paths still lead to it.
+_Tensor, _ProcessGroup, _P2POp = torch.Tensor, dist.ProcessGroup, dist.P2POp
 # The kind of each reducing twin's collective, for the backends' ReduceOp.AVG table.
 _AVG_KIND = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter"}
 
@@ -52,30 +56,35 @@ _AVG_KIND = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatte
 class _Route(NamedTuple):
     """What a twin does, decided at trace time."""
 
+    size: int  # the group's size
     target: Optional[str]  # the device to stage onto; None when nothing moves
     staged: Tuple[bool, ...]  # per tensor: whether it goes through a buffer on ``target``
     divisor: int  # what to divide the result by: the group size for emulated AVG, else 1
     reduce: str  # the reduce op as the functional collectives name it ("sum" for emulated AVG)
 
 
-def _route(kind: str, group_name: str, device_types: Tuple[str, ...], dtype: torch.dtype, op: Any = None,
+def _route(kind: str, group_name: Optional[str], device_types: Tuple[str, ...], dtype: torch.dtype, op: Any = None,
            peers: Tuple[Any, ...] = ()) -> Optional[_Route]:
     """How to run ``kind`` on tensors of these device types, or None for comm's eager wrapper (a graph break).
 
-    Runs at trace time, on constants (dynamo guards the group's name and the
-    tensors' devices and dtypes), with what comm's eager path knows of the group.
+    Runs at trace time, on constants, with what comm's eager path knows of the
+    group (``group_name`` None: the default group). torch's traced collective
+    guards the group (the default one by identity, others by name) and dynamo the
+    tensors' devices and dtypes.
     """
     from torch.distributed.distributed_c10d import _resolve_process_group  # type: ignore[attr-defined]
 
     try:
-        pg = _resolve_process_group(cast(Any, group_name))  # torch's GroupName is a str
+        pg = dist.group.WORLD if group_name is None else _resolve_process_group(cast(Any, group_name))
+        if pg is None:
+            return None  # no default group: the eager call says so
         info = _group_info(pg)
         staged = tuple(kind_ not in info.device_types for kind_ in device_types)
         target = _staging_target(pg, info) if any(staged) else None
     except (RuntimeError, ValueError):
         return None  # the eager call says what is wrong
     if peers:
-        return _Route(None, staged, 1, "") if target is None and _traced_peers(info, peers) else None
+        return _Route(info.size, None, staged, 1, "") if target is None and _traced_peers(info, peers) else None
     reduce = _functional.REDUCE_OP_TO_STR.get(op) if kind in _AVG_KIND else ""
     if reduce is None:
         return None  # PREMUL_SUM and the like, which torch's compile refuses too
@@ -86,7 +95,7 @@ def _route(kind: str, group_name: str, device_types: Tuple[str, ...], dtype: tor
         divisor, reduce = info.size, "sum"
     if target is not None or divisor != 1:
         _log_staging(kind, pg, info.device_types, target)
-    return _Route(None if target is None else str(target), staged, divisor, reduce)
+    return _Route(info.size, None if target is None else str(target), staged, divisor, reduce)
 
 
 def _traced_peers(info: _GroupInfo, peers: Tuple[Any, ...]) -> bool:
@@ -114,11 +123,10 @@ def _log_staging(kind: str, pg: dist.ProcessGroup, served: FrozenSet[str], targe
 def _plan(kind: str, group: Any, tensors: Sequence[torch.Tensor], op: Any = None,
           peers: Tuple[Any, ...] = ()) -> Optional[_Route]:
     """The route for these tensors on ``group`` (None: the default group), or None for the eager wrapper."""
-    if group is None:
-        group = dist.group.WORLD  # dynamo guards which object this is
-    if not isinstance(group, dist.ProcessGroup):
+    if group is not None and not isinstance(group, _ProcessGroup):
         return None
-    return _route(kind, group.group_name, tuple(t.device.type for t in tensors), tensors[0].dtype, op, peers)
+    name = None if group is None else group.group_name
+    return _route(kind, name, tuple(t.device.type for t in tensors), tensors[0].dtype, op, peers)
 
 
 def _read(tensor: torch.Tensor, route: _Route, index: int) -> torch.Tensor:
@@ -133,6 +141,8 @@ def _written(tensor: torch.Tensor, route: _Route, index: int) -> torch.Tensor:
 
 def _write_back(buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], route: _Route) -> None:
     """Divide (emulated AVG), then copy each buffer that is not its tensor back into it."""
+    if route.target is None and route.divisor == 1:
+        return  # torch's own call: nothing to do after it
     with torch.no_grad():
         for buffer, tensor in zip(buffers, tensors):
             if route.divisor != 1:
@@ -141,13 +151,17 @@ def _write_back(buffers: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]
                 tensor.copy_(buffer)
 
 
+# The twins: what dynamo traces in place of comm's wrapper of the same name, with
+# its signature; each returns what torch's traced call returns.
+
+
 def all_reduce(tensor: torch.Tensor, op: Any = _SUM, group: Optional[dist.ProcessGroup] = None,
                async_op: bool = False) -> Any:
     route = None if async_op else _plan("all_reduce", group, [tensor], op)
     if route is None:
         return _EAGER["all_reduce"](tensor, op, group, async_op)
     buffer = _read(tensor, route, 0)
-    _functional.all_reduce_inplace(buffer, route.reduce, group)
+    _FUNCTIONAL["all_reduce"](buffer, route.reduce, group)
     _write_back([buffer], [tensor], route)
     return None
 
@@ -155,38 +169,34 @@ def all_reduce(tensor: torch.Tensor, op: Any = _SUM, group: Optional[dist.Proces
 def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
                async_op: bool = False) -> Any:
     route = None
-    if not async_op and _pieces_like(tensor_list, tensor, _size(group)):
+    if not async_op and isinstance(tensor_list, list) and tensor_list:
         route = _plan("all_gather", group, [tensor, *tensor_list])
-    if route is None:
+    if route is None or not _pieces_like(tensor_list, tensor, route.size):
         return _EAGER["all_gather"](tensor_list, tensor, group, async_op)
     buffers = [_written(out, route, i + 1) for i, out in enumerate(tensor_list)]
-    _functional.all_gather_inplace(buffers, _read(tensor, route, 0), group)
+    _FUNCTIONAL["all_gather"](buffers, _read(tensor, route, 0), group)
     _write_back(buffers, tensor_list, route)
     return None
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                            group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Any:
-    route = None
-    if not async_op and _fits(output_tensor, input_tensor, input_tensor.numel() * _size(group)):
-        route = _plan("all_gather_into_tensor", group, [output_tensor, input_tensor])
-    if route is None:
+    route = None if async_op else _plan("all_gather_into_tensor", group, [output_tensor, input_tensor])
+    if route is None or not _fits(output_tensor, input_tensor, input_tensor.numel() * route.size):
         return _EAGER["all_gather_into_tensor"](output_tensor, input_tensor, group, async_op)
     buffer = _written(output_tensor, route, 0)
-    _functional.all_gather_tensor_inplace(buffer, _read(input_tensor, route, 1), group)
+    _FUNCTIONAL["all_gather_into_tensor"](buffer, _read(input_tensor, route, 1), group)
     _write_back([buffer], [output_tensor], route)
     return None
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = _SUM,
                           group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Any:
-    route = None
-    if not async_op and _fits(input, output, output.numel() * _size(group)):
-        route = _plan("reduce_scatter_tensor", group, [output, input], op)
-    if route is None:
+    route = None if async_op else _plan("reduce_scatter_tensor", group, [output, input], op)
+    if route is None or not _fits(input, output, output.numel() * route.size):
         return _EAGER["reduce_scatter_tensor"](output, input, op, group, async_op)
     buffer = _written(output, route, 0)
-    _functional.reduce_scatter_tensor_inplace(buffer, _read(input, route, 1), route.reduce, group)
+    _FUNCTIONAL["reduce_scatter_tensor"](buffer, _read(input, route, 1), route.reduce, group)
     _write_back([buffer], [output], route)
     return None
 
@@ -195,13 +205,12 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
                       input_split_sizes: Optional[List[int]] = None, group: Optional[dist.ProcessGroup] = None,
                       async_op: bool = False) -> Any:
     route = None
-    if not async_op and output_split_sizes is None and input_split_sizes is None and _fits(
-            output, input, input.numel()):
+    if not async_op and output_split_sizes is None and input_split_sizes is None:
         route = _plan("all_to_all_single", group, [output, input])
-    if route is None:
+    if route is None or not _fits(output, input, input.numel()):
         return _EAGER["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group, async_op)
     buffer = _written(output, route, 0)
-    _functional.all_to_all_inplace(buffer, _read(input, route, 1), None, None, group)
+    _FUNCTIONAL["all_to_all_single"](buffer, _read(input, route, 1), None, None, group)
     _write_back([buffer], [output], route)
     return None
 
@@ -221,14 +230,13 @@ def _point_to_point(name: str, tensor: torch.Tensor, peer: Optional[int], group:
     route = _plan(name, group, [tensor], peers=(peer,)) if group_peer is None else None
     if route is None:
         return _EAGER[name](tensor, peer, group, tag, group_peer)
-    start = _functional.isend_inplace if name == "isend" else _functional.irecv_inplace
-    return start(tensor, cast(int, peer), tag, group)
+    return _FUNCTIONAL[name](tensor, cast(int, peer), tag, group)
 
 
 def batch_isend_irecv(p2p_op_list: List[dist.P2POp]) -> Any:
     route = None
     if isinstance(p2p_op_list, list) and p2p_op_list and all(
-            isinstance(op, dist.P2POp) and op.group is p2p_op_list[0].group for op in p2p_op_list):
+            isinstance(op, _P2POp) and op.group is p2p_op_list[0].group for op in p2p_op_list):
         # P2POp accepts only isend and irecv (torch's, comm's or a stand-in): the name says which.
         directions = [getattr(op.op, "__name__", "") for op in p2p_op_list]
         if all(direction in ("isend", "irecv") for direction in directions):
@@ -236,31 +244,23 @@ def batch_isend_irecv(p2p_op_list: List[dist.P2POp]) -> Any:
                           peers=tuple(op.peer for op in p2p_op_list))
     if route is None:
         return _EAGER["batch_isend_irecv"](p2p_op_list)
-    return _functional.batch_p2p_ops_inplace(directions, [op.peer for op in p2p_op_list],
-                                             [op.tag for op in p2p_op_list], [op.tensor for op in p2p_op_list],
-                                             p2p_op_list[0].group)
+    return _FUNCTIONAL["batch_isend_irecv"](directions, [op.peer for op in p2p_op_list],
+                                            [op.tag for op in p2p_op_list], [op.tensor for op in p2p_op_list],
+                                            p2p_op_list[0].group)
 
 
 def _pieces_like(tensor_list: Any, tensor: torch.Tensor, size: int) -> bool:
     """One tensor per rank, each of ``tensor``'s shape and dtype (comm gathers other lists eagerly)."""
     shape, dtype = tensor.shape, tensor.dtype
     return isinstance(tensor_list, list) and len(tensor_list) == size and all(
-        isinstance(out, torch.Tensor) and out.shape == shape and out.dtype == dtype for out in tensor_list
+        isinstance(out, _Tensor) and out.shape == shape and out.dtype == dtype for out in tensor_list
     )
 
 
 def _fits(tensor: Any, other: Any, numel: int) -> bool:
     """Two tensors of one dtype, ``tensor`` holding ``numel`` elements (else the eager call says what is wrong)."""
-    return (isinstance(tensor, torch.Tensor) and isinstance(other, torch.Tensor) and tensor.dtype == other.dtype
+    return (isinstance(tensor, _Tensor) and isinstance(other, _Tensor) and tensor.dtype == other.dtype
             and tensor.numel() == numel)
-
-
-def _size(group: Any) -> int:
-    """The group's size, or 0 for what is not a group (the eager call says what is wrong)."""
-    if group is None:
-        group = dist.group.WORLD
-    size: int = group.size() if isinstance(group, dist.ProcessGroup) else 0
-    return size
 
 
 # The twins above, by the wrapper each stands in for.
@@ -283,6 +283,9 @@ _WRAPPERS: Dict[str, Callable[..., Any]] = {
 }
 # comm's eager wrappers, as dynamo must call them: at a graph break (filled in at registration).
 _EAGER: Dict[str, Callable[..., Any]] = {}
+# The in-place functional collectives that dynamo puts in place of torch's calls, by
+# the wrapper each twin calls instead (filled in at registration: older torch lacks some).
+_FUNCTIONAL: Dict[str, Callable[..., Any]] = {}
 
 
 def _register() -> None:
@@ -291,6 +294,11 @@ def _register() -> None:
     from torch._dynamo.eval_frame import set_code_exec_strategy  # type: ignore[attr-defined]
     from torch._dynamo.types import FrameAction, FrameExecStrategy  # type: ignore[attr-defined]
 
+    _FUNCTIONAL.update(all_reduce=_functional.all_reduce_inplace, all_gather=_functional.all_gather_inplace,
+                       all_gather_into_tensor=_functional.all_gather_tensor_inplace,
+                       reduce_scatter_tensor=_functional.reduce_scatter_tensor_inplace,
+                       all_to_all_single=_functional.all_to_all_inplace, isend=_functional.isend_inplace,
+                       irecv=_functional.irecv_inplace, batch_isend_irecv=_functional.batch_p2p_ops_inplace)
     substitute_in_graph(_route, can_constant_fold_through=True)(_route)
     # A graph break at a call to comm.patch()'s stand-in runs the stand-in: it only
     # forwards, so dynamo need not compile its frame (one code object for every
