@@ -300,17 +300,17 @@ def _register() -> None:
                        all_to_all_single=_functional.all_to_all_inplace, isend=_functional.isend_inplace,
                        irecv=_functional.irecv_inplace, batch_isend_irecv=_functional.batch_p2p_ops_inplace)
     substitute_in_graph(_route, can_constant_fold_through=True)(_route)
-    # A graph break at a call to comm.patch()'s stand-in runs the stand-in: it only
-    # forwards, so dynamo need not compile its frame (one code object for every
-    # stand-in: compiling it would recompile per stand-in).
-    set_code_exec_strategy(patch._stand_in(_register, _register).__code__,
-                           FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
     for name, wrapper in _WRAPPERS.items():
         # Run at a graph break, a wrapper and all it calls run eagerly: dynamo would
         # otherwise compile their frames, and fail on the group as it does inlining them.
         set_code_exec_strategy(wrapper.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
         _EAGER[name] = torch.compiler.disable(wrapper)  # type: ignore[no-untyped-call]
         substitute_in_graph(wrapper, skip_signature_check=name not in _TRACED)(_TRACED.get(name) or _breaking(name))
+    # A graph break at a call to comm.patch()'s stand-in runs the stand-in: it only
+    # forwards, so dynamo need not compile its frame (one code object for every
+    # stand-in: compiling it would recompile per stand-in).
+    set_code_exec_strategy(patch._stand_in(_register, _register).__code__,
+                           FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
 
 
 def _breaking(name: str) -> Callable[..., Any]:
