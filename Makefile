@@ -38,6 +38,7 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/clip_grad.py
+	$(PY) benchmarks/compiled.py
 
 # On a GPU machine, with the Python that has its CUDA build of torch and pytest
 # (a fresh .venv would install the CPU build pinned for CI).

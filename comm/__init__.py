@@ -11,6 +11,7 @@ counters (:mod:`comm.observability`), the profiler (:mod:`comm.profiler`) and th
 
 import os
 
+from comm import compile as _compile
 from comm._jupyter import JupyterCommWarning, warn_if_beside_jupyter
 from comm.backend import default_backend, device_types, init_process_group
 from comm.collectives import (
@@ -95,5 +96,6 @@ def _patch_if_asked() -> None:
 
 
 warn_if_beside_jupyter()
+_compile.install()
 _patch_if_asked()
 profile_if_asked()

@@ -1,0 +1,306 @@
+"""comm.compile: comm's collectives and the drop-in mode inside torch.compile'd code."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+import comm
+import comm.testing
+
+from multiproc import NPU, SEED_ERROR, run_ranks, skip_unless_simulation
+
+# The collectives torch 2.13 compiles with fullgraph=True, those it compiles so only
+# with P2P compilation on (TORCHDYNAMO_ENABLE_P2P_COMPILATION=1), and those where it
+# breaks the graph ("marked as skipped", or P2P compilation off).
+TRACED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+P2P = ("isend_irecv", "batch_isend_irecv")
+BREAKING = ("broadcast", "reduce", "reduce_scatter", "all_to_all", "gather", "scatter", "barrier", "send_recv", *P2P)
+CALLS = 10
+
+
+class Counting:
+    """A compile backend that runs the graph as it is and keeps each graph's code."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(_operations(gm.code))
+        return gm.forward
+
+
+# Lines of a graph's code that compute nothing: its signature and the input names
+# (whose order is the order dynamo met the inputs), and the dead read of ``is_cpu``
+# that comm.P2POp's argument check leaves when it is built inside the graph.
+_NOT_OPERATIONS = re.compile(r"\s*(def |l_\w+ = L_\w+$|(getattr_\d+) = l_\w+\.is_cpu;  (l_\w+ = )?\2 = None$|$)")
+
+
+def _operations(code):
+    """What a graph computes, line by line."""
+    return [line.strip() for line in code.splitlines() if not _NOT_OPERATIONS.match(line)]
+
+
+def _computing(graphs):
+    """The graphs that compute something."""
+    return [graph for graph in graphs if graph != ["return ()"]]
+
+
+def _calls(rank, size):
+    """name -> (step(lib, *tensors), make(i) -> tensors): one call of each collective, then arithmetic."""
+    def one(i):
+        return [torch.arange(4.0) * (rank + 1) + i]
+
+    def p2p(lib, t):
+        if rank == 0:
+            lib.send(t, dst=1)
+        else:
+            lib.recv(t, src=0)
+
+    def ip2p(lib, t):
+        (lib.isend(t, dst=1) if rank == 0 else lib.irecv(t, src=0)).wait()
+
+    def batch(lib, t, u):
+        ops = [lib.P2POp(lib.isend, t, 1 - rank), lib.P2POp(lib.irecv, u, 1 - rank)]
+        for work in lib.batch_isend_irecv(ops):
+            work.wait()
+
+    return {
+        "all_reduce": (lambda lib, t: lib.all_reduce(t, op=ReduceOp.MAX), one),
+        "all_gather": (lambda lib, t, *out: lib.all_gather(list(out), t),
+                       lambda i: one(i) + [torch.zeros(4) for _ in range(size)]),
+        "all_gather_into_tensor": (lambda lib, out, t: lib.all_gather_into_tensor(out, t),
+                                   lambda i: [torch.zeros(4 * size)] + one(i)),
+        "reduce_scatter_tensor": (lambda lib, out, t: lib.reduce_scatter_tensor(out, t),
+                                  lambda i: [torch.zeros(2), torch.arange(2.0 * size) * (rank + 1) + i]),
+        "all_to_all_single": (lambda lib, out, t: lib.all_to_all_single(out, t),
+                              lambda i: [torch.zeros(2 * size), torch.arange(2.0 * size) + 10 * rank + i]),
+        "broadcast": (lambda lib, t: lib.broadcast(t, src=0), one),
+        "reduce": (lambda lib, t: lib.reduce(t, dst=0), one),
+        "reduce_scatter": (lambda lib, out, *ins: lib.reduce_scatter(out, list(ins)),
+                           lambda i: [torch.zeros(4)] + [torch.full((4,), float(rank + i + k)) for k in range(size)]),
+        "all_to_all": (lambda lib, *ts: lib.all_to_all(list(ts[:size]), list(ts[size:])),
+                       lambda i: [torch.zeros(4) for _ in range(size)]
+                       + [torch.full((4,), float(10 * rank + i + k)) for k in range(size)]),
+        "gather": (lambda lib, t, *out: lib.gather(t, list(out) if rank == 0 else None, dst=0),
+                   lambda i: one(i) + [torch.zeros(4) for _ in range(size)]),
+        "scatter": (lambda lib, t, *ins: lib.scatter(t, list(ins) if rank == 0 else None, src=0),
+                    lambda i: [torch.zeros(4)] + [torch.full((4,), float(i + k)) for k in range(size)]),
+        "barrier": (lambda lib, t: lib.barrier(), one),
+        "send_recv": (p2p, one),
+        "isend_irecv": (ip2p, one),
+        "batch_isend_irecv": (batch, lambda i: one(i) + [torch.zeros(4)]),
+    }
+
+
+def _function(lib, step):
+    def f(*tensors):
+        step(lib, *tensors)
+        return [t * 2 for t in tensors]
+
+    return f
+
+
+def _run(f, make, backend=None, fullgraph=True, calls=CALLS):
+    """Compile ``f``, call it ``calls`` times with new values; check each call against eager ``f``.
+
+    Returns the backend (its graphs) and the compiled outputs of the last call.
+    """
+    torch._dynamo.reset()
+    backend = backend or Counting()
+    compiled = torch.compile(f, backend=backend, fullgraph=fullgraph)
+    for i in range(calls):
+        compiled_in, eager_in = make(i), make(i)
+        compiled_out, eager_out = compiled(*compiled_in), f(*eager_in)
+        for got, want in zip([*compiled_in, *compiled_out], [*eager_in, *eager_out]):
+            assert torch.equal(got.cpu(), want.cpu()), (i, got, want)
+    return backend
+
+
+def _fullgraph_fails(f, make):
+    torch._dynamo.reset()
+    try:
+        torch.compile(f, backend="eager", fullgraph=True)(*make(0))
+    except torch._dynamo.exc.Unsupported as error:
+        return str(error).splitlines()[0]
+    return None
+
+
+def _gloo_scenario(rank, world_size):
+    calls = _calls(rank, world_size)
+    for name in TRACED:
+        _check_same_graph(*calls[name])
+    with torch._dynamo.config.patch(enable_p2p_compilation=True):
+        for name in P2P:
+            _check_same_graph(*calls[name])
+    breaks = {}
+    for name in BREAKING:
+        step, make = calls[name]
+        torch_says = _fullgraph_fails(_function(dist, step), make)
+        comm_says = _fullgraph_fails(_function(comm, step), make)
+        assert torch_says is not None and comm_says is not None, name
+        breaks[name] = (torch_says, comm_says)
+        # Without fullgraph: as many graphs as torch's (the arithmetic after the break), once for ten calls.
+        graphs = _computing(_run(_function(dist, step), make, fullgraph=False).graphs)
+        assert _computing(_run(_function(comm, step), make, fullgraph=False).graphs) == graphs, name
+        with comm.patched():
+            assert _computing(_run(_function(dist, step), make, fullgraph=False).graphs) == graphs, name
+    _check_groups_and_arguments(rank)
+    _check_norms(rank, world_size)
+    return breaks
+
+
+def _check_same_graph(step, make):
+    """torch compiles the call fullgraph, once for ten calls; comm's and the patched call compile to its graph."""
+    torch_graphs = _run(_function(dist, step), make).graphs
+    assert len(torch_graphs) == 1
+    assert _run(_function(comm, step), make).graphs == torch_graphs
+    with comm.patched():
+        assert _run(_function(dist, step), make).graphs == torch_graphs
+
+
+def _check_groups_and_arguments(rank):
+    """Each group compiles once (its name is guarded); AVG, async and bad input behave as eagerly."""
+    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    backend = Counting()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t, g: comm.all_reduce(t, group=g), backend=backend, fullgraph=True)
+    for i in range(4):
+        tensor = torch.full((3,), float(rank + i))
+        compiled(tensor, groups[i % 2])
+        assert torch.equal(tensor, torch.full((3,), float(2 * i + 1)))
+    assert [re.findall(r"'(\d+)'\)", "\n".join(graph)) for graph in backend.graphs] == [
+        [groups[0].group_name], [groups[1].group_name]]
+
+    avg = _run(lambda t: (comm.all_reduce(t, op=ReduceOp.AVG), t)[1:], lambda i: [torch.arange(3.0) * rank + i])
+    assert "'avg'" in "\n".join(avg.graphs[0])  # gloo's own AVG is right on torch 2.13: no emulation
+    _run(lambda t: (comm.all_reduce(t, async_op=True).wait(), t)[1:], lambda i: [torch.arange(3.0) + rank + i],
+         fullgraph=False)
+    with pytest.raises(ValueError, match="output_tensor has 5 elements; expected 6"):
+        torch._dynamo.reset()
+        torch.compile(lambda o, t: comm.all_gather_into_tensor(o, t), backend="eager")(torch.zeros(5), torch.ones(3))
+
+
+def _check_norms(rank, world_size):
+    """total_norm and clip_grad_norm_ run in compiled code (behind a graph break) with eager's results."""
+    def clip(*grads):
+        parameters = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for parameter, grad in zip(parameters, grads):
+            parameter.grad = grad
+        norm = comm.clip_grad_norm_(parameters, 0.5, group=dist.group.WORLD)
+        return [norm, comm.total_norm(grads, 3.0, group=dist.group.WORLD), *grads]
+
+    _run(clip, lambda i: [torch.arange(4.0) * (rank + 1) + i, torch.ones(2) * i], fullgraph=False, calls=3)
+
+
+def test_collectives_compile_as_torch_does_on_gloo():
+    """fullgraph wherever torch's own call compiles, with torch's graph; one graph break where torch breaks."""
+    breaks = run_ranks(_gloo_scenario, 2, timeout=600)[0]
+    assert set(breaks) == set(BREAKING)
+
+
+def _hccl_scenario(rank, world_size):
+    device = torch.device("npu", rank)
+    backends = {}
+    for backend in ("eager", "aot_eager"):
+        for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+            step, make = _calls(rank, world_size)[name]
+            comm.testing.reset_counters()
+            graphs = _run(_function(comm, step), make, backend=_counting(backend)).graphs
+            assert len(graphs) == 1, (backend, name)
+            # One copy onto the NPU and one back per call, compiled as eagerly: 4 per pair of calls.
+            assert comm.testing.counters()["transfers"] == 4 * CALLS, (backend, name)
+        # hccl's AVG is emulated: SUM, then a division, traced too.
+        graphs = _run(lambda t: (comm.all_reduce(t, op=ReduceOp.AVG), t)[1:],
+                      lambda i: [torch.arange(3.0) * rank + i], backend=_counting(backend)).graphs
+        assert len(graphs) == 1 and "'sum'" in "\n".join(graphs[0]) and "div_" in "\n".join(graphs[0])
+        with comm.patched():
+            graphs = _run(lambda t: (dist.all_reduce(t), t)[1:], lambda i: [torch.arange(3.0) + rank + i],
+                          backend=_counting(backend)).graphs
+        assert len(graphs) == 1
+        backends[backend] = "ok"
+    # Served (NPU) tensors: torch's own graph.
+    step, make = _calls(rank, world_size)["all_reduce"]
+    npu_make = lambda i: [t.to(device) for t in make(i)]  # noqa: E731
+    assert _run(_function(comm, step), npu_make).graphs == _run(_function(dist, step), npu_make).graphs
+    with pytest.raises(Exception, match=SEED_ERROR):  # what torch alone does with a CPU tensor
+        torch._dynamo.reset()
+        torch.compile(lambda t: dist.all_reduce(t), backend="eager", fullgraph=True)(torch.ones(2))
+    backends["inductor"] = _inductor_on_npu(step, make, npu_make)
+    _check_norms(rank, world_size)  # CPU gradients on the hccl group: staged by the eager call at the break
+    return backends
+
+
+def _counting(backend):
+    """``backend``, counting the graphs it compiles."""
+    counting = Counting()
+
+    def run(gm, example_inputs):
+        counting(gm, example_inputs)
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    run.graphs = counting.graphs
+    return run
+
+
+def _inductor_on_npu(step, make, npu_make):
+    """What inductor does with a graph that holds NPU tensors: torch's own and comm's staged one alike."""
+    outcomes = []
+    for lib, inputs in ((dist, npu_make), (comm, make)):
+        torch._dynamo.reset()
+        try:
+            torch.compile(_function(lib, step), backend="inductor", fullgraph=True)(*inputs(0))
+            outcomes.append("ok")
+        except Exception as error:  # noqa: BLE001 - the outcome is what is compared
+            outcomes.append(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+    assert outcomes[0] == outcomes[1], outcomes
+    return outcomes[0]
+
+
+def test_staging_path_compiles_on_simulated_hccl():
+    """CPU tensors on the hccl group: the copies, the collective and the write-back in one graph."""
+    backends = run_ranks(_hccl_scenario, 2, backend=NPU["backend"], simulate=NPU, timeout=600)[0]
+    assert backends["eager"] == backends["aot_eager"] == "ok"
+    # The simulated device has no inductor code generator, for torch's own graphs as for comm's.
+    assert backends["inductor"] == "InductorError: KeyError: 'npu'"
+
+
+def test_compiled_training_step_under_python_m_comm_matches_eager():
+    skip_unless_simulation()
+    script = [str(Path(__file__).resolve().parent.parent / "examples" / "legacy_trainer.py"), "--simulate", "npu",
+              "--steps", "4"]
+    losses = []
+    for extra in ([], ["--compile", "aot_eager"]):
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", "-m", "comm", *script, *extra], capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr
+        losses.append(sorted(re.findall(r"rank (\d): step (\d) mean loss (\S+)", result.stdout)))
+    assert len(losses[0]) == 8
+    assert losses[1] == losses[0]  # step by step, bit for bit, on both ranks
+
+
+IMPORT_ORDER = """
+import sys, torch, torch.distributed as dist
+{first}
+assert ("torch._dynamo" in sys.modules) == {dynamo_first}, "import comm must not import dynamo"
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+t = torch.ones(3)
+torch.compile(lambda t: comm.all_reduce(t, op=dist.ReduceOp.AVG), backend="eager", fullgraph=True)(t)
+assert torch.equal(t, torch.ones(3))
+print("compiled")
+"""
+
+
+@pytest.mark.parametrize("first", ["import comm", "import torch._dynamo\nimport comm"])
+def test_registered_whether_dynamo_is_imported_before_or_after_comm(first):
+    code = IMPORT_ORDER.format(first=first, dynamo_first="_dynamo" in first)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr
