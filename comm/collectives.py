@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from comm.arguments import check_root, check_sizes, check_tensor, check_tensor_list, given
+from comm.arguments import check_root, check_sizes, check_tensor, check_tensor_list, device_type, given
 from comm.backend import _GroupInfo
-from comm.fastpath import fast_group, fast_list, fast_root, served, slow_path
+from comm.fastpath import fast_group, fast_list, served, slow_path
 from comm.observability import call_counter
 from comm.staging import Staging, emulates_avg
 
@@ -68,7 +68,7 @@ def _all_reduce(pg: dist.ProcessGroup, info: _GroupInfo, tensor: torch.Tensor, o
                 async_op: bool) -> Optional[Work]:
     check_tensor(tensor, "tensor")
     average = emulates_avg(op, pg, info, tensor, "all_reduce")
-    if not average and served(info, [tensor]):
+    if not average and device_type(tensor) in info.device_types:
         return _TORCH.all_reduce(tensor, op, pg, async_op)
     with Staging("all_reduce", pg, info, average) as staging:
         staging.issue(_TORCH.all_reduce(staging.receive(tensor, reads=True), staging.op(op), pg, True))
@@ -100,7 +100,7 @@ def broadcast(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[d
               async_op: bool = False, group_src: Optional[int] = None) -> Optional[Work]:
     """Broadcast ``tensor`` from ``src`` (a global rank) or ``group_src``, as torch does."""
     info = fast_group(group, tensor)
-    if info is not None and group_src is None and fast_root(info, src) is not None:
+    if info is not None and group_src is None and type(src) is int and src in info.group_ranks:
         _COUNT.broadcast()
         return _TORCH.broadcast(tensor, src, group, async_op)
     return slow_path("broadcast", group, _rooted, tensor, src, group_src, None, async_op)
@@ -115,7 +115,8 @@ def reduce(tensor: torch.Tensor, dst: Optional[int] = None, op: Any = ReduceOp.S
     as they were (torch leaves them unspecified).
     """
     info = fast_group(group, tensor)
-    if info is not None and (op is _SUM or op != _AVG) and group_dst is None and fast_root(info, dst) is not None:
+    if info is not None and (op is _SUM or op != _AVG) and group_dst is None and type(dst) is int and (
+            dst in info.group_ranks):
         _COUNT.reduce()
         return _TORCH.reduce(tensor, dst, op, group, async_op)
     return slow_path("reduce", group, _rooted, tensor, dst, group_dst, op, async_op)

@@ -106,6 +106,10 @@ def slow_path(name: str, group: Optional[dist.ProcessGroup], run: Callable[..., 
     When this rank is not in the group torch warns and returns None without
     communicating; so does comm, in torch's words, without calling ``run``.
     """
+    memo = _last
+    if memo[1] is not None and memo[0]() is (_world._default_pg if group is None else group):
+        count_call(name)  # the memo's group: resolved, a member, its facts known
+        return run(memo[0](), memo[1], *args)
     pg = member_group(group)
     if pg is None:
         world = dist.GroupMember.WORLD
@@ -127,7 +131,10 @@ def _remember(pg: dist.ProcessGroup, info: _GroupInfo) -> _Memo:
 
 def served(info: _GroupInfo, tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the group serves every one of ``tensors`` where it lies."""
-    return all(device_type(t) in info.device_types for t in tensors)
+    for tensor in tensors:
+        if device_type(tensor) not in info.device_types:
+            return False
+    return True
 
 
 def fast_root(info: _GroupInfo, rank: Any) -> Optional[int]:

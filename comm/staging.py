@@ -30,7 +30,7 @@ from torch.autograd.profiler import record_function
 from torch.distributed import ReduceOp
 
 from comm.arguments import device_type
-from comm.backend import _group_info, _GroupInfo, _native_avg, _resolve_group
+from comm.backend import _group_info, _GroupCache, _GroupInfo, _native_avg, _resolve_group
 from comm.device import _is_available, accelerator_type, bound_device, current_device
 from comm.fastpath import served
 from comm.observability import count_staging, log_first_staging
@@ -40,6 +40,8 @@ __all__ = ["staging_device"]
 
 _SUM, _AVG = ReduceOp.SUM, ReduceOp.AVG
 _UNTRACED = contextlib.nullcontext()
+# Per group, the staging target of a bound process or group and the bound device it came from.
+_TARGETS = _GroupCache()
 
 
 def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> Optional[torch.device]:
@@ -60,10 +62,16 @@ def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = No
 
 
 def _staging_target(group: dist.ProcessGroup, info: _GroupInfo) -> torch.device:
+    cached: Optional[Tuple[Optional[torch.device], torch.device]] = _TARGETS.get(group)
+    if cached is not None and cached[0] is bound_device():
+        return cached[1]
     served = info.device_types
     for bound in (getattr(group, "bound_device_id", None), bound_device()):
         if bound is not None and bound.type in served:
-            return torch.device(bound)
+            # Fixed for the group until bind() binds another device: asked once, not per call.
+            target = torch.device(bound)
+            _TARGETS.set(group, (bound_device(), target))
+            return target
     accelerator = accelerator_type()
     if accelerator in served:
         return current_device(accelerator)
@@ -151,10 +159,19 @@ class Staging:
         """``tensor`` where the collective can read it: itself if served, else a copy on the target."""
         if device_type(tensor) in self._info.device_types:
             return tensor
-        start = time.perf_counter()
-        with _traced("comm.stage_in"):
-            copy = tensor.to(self.target, copy=True, memory_format=torch.contiguous_format)
-        self._moved([tensor], tensor.device, self.target, start)
+        return self._copy_in(tensor)
+
+    def _copy_in(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` on the target, contiguous: the one transfer in."""
+        target, start = self.target, time.perf_counter()
+        if _profiler_enabled():
+            with record_function("comm.stage_in"):
+                copy = tensor.to(target, copy=True, memory_format=torch.contiguous_format)
+        else:
+            copy = tensor.to(target, copy=True, memory_format=torch.contiguous_format)
+        self._seconds += time.perf_counter() - start
+        self._nbytes += tensor.numel() * tensor.element_size()
+        self._moves.append((1, tensor.device, target))
         return copy
 
     def send_all(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -172,8 +189,10 @@ class Staging:
             if self._divisor != 1:
                 self._divided.append(tensor)
             return tensor
-        buffer = self.send(tensor) if reads else torch.empty(tensor.shape, dtype=tensor.dtype, device=self.target)
-        self._write_back_later(buffer, [tensor], None)
+        buffer = self._copy_in(tensor) if reads else torch.empty(tensor.shape, dtype=tensor.dtype, device=self.target)
+        self._restores.append((buffer, [tensor], None))  # back onto the tensor's own device: one move out
+        self._moves.append((1, buffer.device, tensor.device))
+        self._nbytes += tensor.numel() * tensor.element_size()
         return buffer
 
     def receive_all(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -222,10 +241,9 @@ class Staging:
         """
         if async_op:
             return self.handle(outputs)
-        write = self._writer()
         for work in self._works:
             work.wait()
-        write()
+        self._seconds += _write(self._restores, self._divided, self._divisor)  # counted once, on exit
         return None
 
     def handle(self, outputs: List[torch.Tensor]) -> DeferredWork:
@@ -234,7 +252,9 @@ class Staging:
         return DeferredWork(self._works, self._writer(), outputs, functools.partial(_note, self.name, self._moves))
 
     def _writer(self) -> Callable[[], None]:
-        return _writer(self.name if self.staged else None, self._restores, self._divided, self._divisor)
+        """The write-back for a handle: it holds the tensors and the op's name, never this object (the group)."""
+        return functools.partial(_write_and_count, self.name if self.staged else None, self._restores,
+                                 self._divided, self._divisor)
 
     def _write_back_later(self, buffer: torch.Tensor, targets: List[torch.Tensor], starts: Optional[List[int]]) -> None:
         """Plan writing ``buffer`` back into ``targets`` once the collective succeeded; count what it will move."""
@@ -296,33 +316,43 @@ def _pieces(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
     return [piece if t.dim() == 1 else piece.view(t.shape) for piece, t in zip(pieces, like)]
 
 
-def _writer(name: Optional[str], restores: List[_Restore], divided: List[torch.Tensor],
-            divisor: int) -> Callable[[], None]:
-    """The step after the collective: divide for emulated AVG, then write the results back.
+def _write_and_count(name: Optional[str], restores: List[_Restore], divided: List[torch.Tensor],
+                     divisor: int) -> None:
+    """An async handle's write-back, its time counted for ``name`` (None: nothing was staged)."""
+    seconds = _write(restores, divided, divisor)
+    if name is not None:
+        count_staging(name, 0, seconds, new_call=False)
+
+
+def _write(restores: List[_Restore], divided: List[torch.Tensor], divisor: int) -> float:
+    """The step after the collective: divide for emulated AVG, then write the results back; its seconds.
 
     Every division runs before any write-back, so a division that fails leaves
-    the caller's tensors as they were. ``name`` is the op to count the time for
-    (None: nothing was staged). It holds tensors and the op's name, not the group:
-    a work handle keeps it, and what a work handle holds must not keep the group
-    alive (see ``DeferredWork``).
+    the caller's tensors as they were. Like c10d, it writes in place whatever
+    autograd thinks, and tensors made under inference_mode are written under it,
+    wherever the wait happens; entering either guard costs microseconds, so only
+    where a tensor needs it (as torch's profiler range, only while it records).
     """
-    targets = [t for _, written, _ in restores for t in written] + divided
-    inference = any(t.is_inference() for t in targets)
-
-    def write() -> None:
-        start = time.perf_counter()
-        # Like c10d, write results in place whatever autograd thinks; tensors made under
-        # inference_mode are written back under it, wherever the wait happens.
-        with torch.inference_mode() if inference else torch.no_grad(), _traced("comm.write_back"):
-            if divisor != 1:
-                for tensor in divided + [buffer for buffer, _, _ in restores]:
-                    tensor.div_(divisor)
-            for buffer, written, starts in restores:
-                _write_back(buffer, written, starts)
-        if name is not None:
-            count_staging(name, 0, time.perf_counter() - start, new_call=False)
-
-    return write
+    start = time.perf_counter()
+    if divisor == 1 and not divided and len(restores) == 1 and not _profiler_enabled():
+        buffer, targets, starts = restores[0]  # the common case: one buffer into one plain tensor, no guard
+        if len(targets) == 1 and starts is None and not targets[0].requires_grad and not targets[0].is_inference():
+            _write_back(buffer, targets, starts)
+            return time.perf_counter() - start
+    written = [t for _, targets, _ in restores for t in targets] + divided
+    if any(t.is_inference() for t in written):
+        guard: ContextManager[Any] = torch.inference_mode()
+    elif any(t.requires_grad for t in written):
+        guard = torch.no_grad()
+    else:
+        guard = _UNTRACED
+    with guard, _traced("comm.write_back"):
+        if divisor != 1:
+            for tensor in divided + [buffer for buffer, _, _ in restores]:
+                tensor.div_(divisor)
+        for buffer, targets, starts in restores:
+            _write_back(buffer, targets, starts)
+    return time.perf_counter() - start
 
 
 def _write_back(buffer: torch.Tensor, targets: List[torch.Tensor], starts: Optional[List[int]]) -> None:
