@@ -104,6 +104,9 @@ def _traced(name: str) -> ContextManager[Any]:
 # A buffer the collective wrote, the caller's tensors it goes back into, and where
 # each one's piece starts (None: packed back to back).
 _Restore = Tuple[torch.Tensor, List[torch.Tensor], Optional[List[int]]]
+# What one transfer moved, for logs and notes: how many tensors, from where, to where
+# (a device, or a tensor standing for its own).
+_Move = Tuple[int, Any, Any]
 
 
 class Staging:
@@ -131,7 +134,7 @@ class Staging:
         self._works: List[Any] = []
         self._restores: List[_Restore] = []
         self._divided: List[torch.Tensor] = []
-        self._moves: List[Tuple[int, torch.device, torch.device]] = []
+        self._moves: List[_Move] = []
         self._nbytes = 0
         self._seconds = 0.0
 
@@ -171,7 +174,7 @@ class Staging:
             copy = tensor.to(target, copy=True, memory_format=torch.contiguous_format)
         self._seconds += time.perf_counter() - start
         self._nbytes += tensor.numel() * tensor.element_size()
-        self._moves.append((1, tensor.device, target))
+        self._moves.append((1, tensor, target))
         return copy
 
     def send_all(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -191,7 +194,7 @@ class Staging:
             return tensor
         buffer = self._copy_in(tensor) if reads else torch.empty(tensor.shape, dtype=tensor.dtype, device=self.target)
         self._restores.append((buffer, [tensor], None))  # back onto the tensor's own device: one move out
-        self._moves.append((1, buffer.device, tensor.device))
+        self._moves.append((1, self.target, tensor))
         self._nbytes += tensor.numel() * tensor.element_size()
         return buffer
 
@@ -301,13 +304,18 @@ class Staging:
                f"{sorted(self._info.device_types)}"
 
 
-def _note(name: str, moves: List[Tuple[int, torch.device, torch.device]]) -> str:
+def _note(name: str, moves: List[_Move]) -> str:
     """What was staged, for an exception's notes: built only when something failed."""
     return f"comm staged {name}: {_describe(moves)}; the caller's tensors are unchanged" if moves else ""
 
 
-def _describe(moves: List[Tuple[int, torch.device, torch.device]]) -> str:
-    return "; ".join(f"{count} tensor(s) {source} -> {dest}" for count, source, dest in moves)
+def _describe(moves: List[_Move]) -> str:
+    return "; ".join(f"{count} tensor(s) {_place(source)} -> {_place(dest)}" for count, source, dest in moves)
+
+
+def _place(where: Any) -> torch.device:
+    """A move's end: a device, or a tensor standing for its own."""
+    return where.device if isinstance(where, torch.Tensor) else where
 
 
 def _pieces(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
