@@ -14,6 +14,9 @@ without, in a gloo-only process and in one that also holds an hccl group.
 Part 4, two ranks on the simulated NPU (hccl): CPU tensors through comm against
 the hand-written fix (copy to the NPU, torch's collective, copy back), at 1 and
 4,096 elements; the A/A control repeats the hand-written fix.
+Part 4b, the same, all_reduce of 1 element: the hand-written fix with one of the
+staging path's duties added at a time (timing, counting, the first-staging log,
+the staging device's lookup, filing the work for comm.profile()): what each costs.
 Part 5, the simulated NPU: transfers and collectives issued for N CPU tensors.
 
     python benchmarks/overhead.py [--calls N]
@@ -196,6 +199,37 @@ def staged_against_by_hand(rank: int, calls: int) -> List[Dict[str, Any]]:
     return rows
 
 
+def staging_duties(rank: int, calls: int) -> List[Dict[str, Any]]:
+    """The hand-written fix, alone and with each of the staging path's per-call duties added, against itself."""
+    import comm.fastpath
+    import comm.staging
+
+    device, x, pg = comm.current_device(), torch.ones(1), dist.group.WORLD
+    comm.all_reduce(x)  # resolves the group: its facts and staging device are cached from here on
+    info = comm.fastpath.known_group(pg)
+    assert info is not None
+
+    def fix(duty: Call = lambda: None) -> Call:
+        def call() -> None:  # the duty runs first, as most of comm's run before the collective starts
+            duty()
+            staged = x.to(device, copy=True, memory_format=torch.contiguous_format)
+            dist.all_reduce(staged, async_op=True).wait()
+            x.copy_(staged)
+        return call
+
+    duties: Dict[str, Call] = {
+        "the same fix again": fix(),
+        "+ timing (4 clock reads)": fix(lambda: [time.perf_counter() for _ in range(4)]),
+        "+ counting": fix(lambda: comm.staging.count_staging("all_reduce", 8, 0.0, new_call=True)),
+        "+ the first-staging log": fix(lambda: comm.staging.log_first_staging("all_reduce", id(pg), "device", str)),
+        "+ the staging device": fix(lambda: comm.staging._staging_target(pg, info)),
+        "+ filing for comm.profile()": fix(lambda: comm.staging.attribute_work(None, "all_reduce")),
+        "comm.all_reduce": lambda: comm.all_reduce(x),
+    }
+    by_hand = fix()
+    return [_row(name, _rotate([by_hand, duty, by_hand], calls)) for name, duty in duties.items()]
+
+
 def staging_counts(rank: int) -> List[Dict[str, Any]]:
     rows = []
     for count in TENSOR_COUNTS:
@@ -245,6 +279,9 @@ def main() -> None:
     staged = run_ranks(functools.partial(staged_against_by_hand, calls=args.calls), backend="hccl", simulate=NPU)
     _print_rows(f"Staging path: CPU tensors on the simulated NPU's hccl group, {args.calls} calls per side",
                 "call, elements", staged, "by hand us", "comm us")
+    duties = run_ranks(functools.partial(staging_duties, calls=args.calls // 2), backend="hccl", simulate=NPU)
+    _print_rows(f"Staging path, all_reduce of 1 element: the hand-written fix plus one duty, {args.calls // 2} calls "
+                "per side", "fix", duties, "by hand us", "with duty us")
     print("\nStaging path: N CPU tensors of 256 floats on the simulated NPU's hccl group")
     print(f"{'tensors':>8} {'coalesced: transfers':>21} {'collectives':>12} {'one by one: transfers':>22} "
           f"{'collectives':>12} {'correct':>8}")
