@@ -23,7 +23,7 @@ from torch.distributed import ReduceOp
 
 from comm.arguments import check_root, check_sizes, check_tensor, check_tensor_list, device_type, given
 from comm.backend import _GroupInfo
-from comm.fastpath import fast_group, fast_list, served, slow_path
+from comm.fastpath import fast_group, fast_list, known_group, served, slow_path
 from comm.observability import call_counter
 from comm.staging import Staging, emulates_avg
 
@@ -262,6 +262,9 @@ def barrier(group: Optional[dist.ProcessGroup] = None, async_op: bool = False, d
     There is nothing to stage: torch runs the barrier on a device the group serves
     (its bound device, the current accelerator, or the CPU for a CPU group).
     """
+    if timeout is None and known_group(group) is not None:
+        _COUNT.barrier()
+        return _TORCH.barrier(group, async_op, device_ids)
     return slow_path("barrier", group, _barrier, async_op, device_ids, timeout)
 
 

@@ -33,29 +33,25 @@ def gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = Non
            group: Optional[dist.ProcessGroup] = None, async_op: bool = False,
            group_dst: Optional[int] = None) -> Optional[Work]:
     """Gather every rank's ``tensor`` into ``gather_list`` on ``dst`` (global rank 0 by default), as torch does."""
-    return _gather_or_scatter("gather", tensor, gather_list, dst, group_dst, group, async_op)
+    if _fast_rooted(group, tensor, gather_list, dst, group_dst):
+        _COUNT.gather()
+        return _TORCH.gather(tensor, gather_list, dst, group, async_op)
+    return slow_path("gather", group, _rooted_list, "gather", tensor, gather_list, dst, group_dst, async_op)
 
 
 def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None, src: Optional[int] = None,
             group: Optional[dist.ProcessGroup] = None, async_op: bool = False,
             group_src: Optional[int] = None) -> Optional[Work]:
     """Scatter ``scatter_list`` from ``src`` (global rank 0 by default) into every rank's ``tensor``, as torch does."""
-    return _gather_or_scatter("scatter", tensor, scatter_list, src, group_src, group, async_op)
-
-
-def _gather_or_scatter(name: str, tensor: torch.Tensor, pieces: Optional[List[torch.Tensor]],
-                       root_rank: Optional[int], group_root: Optional[int], group: Optional[dist.ProcessGroup],
-                       async_op: bool) -> Optional[Work]:
-    """gather or scatter: their fast path is the same, one list on the root and none elsewhere."""
-    if _fast_rooted(group, tensor, pieces, root_rank, group_root):
-        getattr(_COUNT, name)()
-        return getattr(_TORCH, name)(tensor, pieces, root_rank, group, async_op)
-    return slow_path(name, group, _rooted_list, name, tensor, pieces, root_rank, group_root, async_op)
+    if _fast_rooted(group, tensor, scatter_list, src, group_src):
+        _COUNT.scatter()
+        return _TORCH.scatter(tensor, scatter_list, src, group, async_op)
+    return slow_path("scatter", group, _rooted_list, "scatter", tensor, scatter_list, src, group_src, async_op)
 
 
 def _fast_rooted(group: Optional[dist.ProcessGroup], tensor: Any, pieces: Any, root_rank: Any,
                  group_root: Any) -> bool:
-    """The fast path of gather and scatter: a list of one piece per rank on the root, none elsewhere."""
+    """The fast path of gather and scatter: served tensors, one piece per rank on the root, none elsewhere."""
     info = fast_group(group, tensor)
     if info is None or group_root is not None:
         return False

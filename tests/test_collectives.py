@@ -92,6 +92,15 @@ def _wrapper_calls(rank, group):
     ]
 
 
+# What comm.stats() files each case under: the wrapper's name, an alias under the name it stands for.
+_COUNTED_AS = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+
+
+def _calls(name):
+    counted = _COUNTED_AS.get(name.split()[0], name.split()[0])
+    return comm.stats().get(counted, {}).get("calls", 0)
+
+
 def _outcome(module, call, tensors, async_op):
     """Run one call; return ("ok", tensors) or ("error", exception type name)."""
     try:
@@ -104,7 +113,7 @@ def _outcome(module, call, tensors, async_op):
 
 
 def _differences(rank, group, dtypes, label):
-    """Every wrapper against torch's own call on the same data; returns what differed."""
+    """Every wrapper against torch's own call on the same data, each call counted once; returns what differed."""
     differences = []
     destination = dist.get_process_group_ranks(group or dist.group.WORLD)[-1]  # torch 2.1 refuses None
     for name, call, make in _wrapper_calls(rank, group):
@@ -112,8 +121,11 @@ def _differences(rank, group, dtypes, label):
             for contiguous in (True, False):
                 for async_op in (False, True):
                     expected = _outcome(dist, call, make(dtype, contiguous), async_op)
+                    calls = _calls(name)
                     got = _outcome(comm, call, make(dtype, contiguous), async_op)
                     case = f"{label} {name} {dtype} contiguous={contiguous} async={async_op}"
+                    if got[0] == "ok" and _calls(name) != calls + 1:
+                        differences.append(f"{case}: counted {_calls(name) - calls} calls in comm.stats(), not 1")
                     if name in ("reduce", "gather") and dist.get_rank() != destination:
                         continue  # torch leaves non-destination tensors unspecified
                     if expected[0] != got[0]:
@@ -136,6 +148,12 @@ def _matches_torch_on_gloo(rank, world_size):
         returned = comm.all_reduce(untouched, group=subgroup)
         if returned is not None or not torch.equal(untouched, torch.ones(3)):
             differences.append("non-member rank communicated")
+    barriers = _calls("barrier")
+    for group in (None, subgroup) if rank in subgroup_ranks else (None,):
+        comm.barrier(group)
+        comm.barrier(group, async_op=True).wait()
+    if _calls("barrier") != barriers + (4 if rank in subgroup_ranks else 2):
+        differences.append(f"barrier: counted {_calls('barrier') - barriers} calls")
     return differences
 
 
