@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from comm.arguments import check_root, check_tensor, check_tensor_list
 from comm.backend import _GroupInfo
-from comm.fastpath import fast_group, fast_list, fast_root, known_group, served, slow_path
+from comm.fastpath import fast_group, fast_list, known_group, served, slow_path
 from comm.observability import call_counter
 from comm.staging import Staging
 
@@ -55,7 +55,9 @@ def _fast_rooted(group: Optional[dist.ProcessGroup], tensor: Any, pieces: Any, r
     info = fast_group(group, tensor)
     if info is None or group_root is not None:
         return False
-    root = fast_root(info, 0 if root_rank is None else root_rank)
+    if root_rank is None:
+        root_rank = 0
+    root = info.group_ranks.get(root_rank) if type(root_rank) is int else None  # None: the slow path says why
     if root is None:
         return False
     return fast_list(info, pieces, tensor.numel(), tensor.dtype) if root == info.rank else not pieces
@@ -86,9 +88,9 @@ def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[t
                group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
     """Send ``input_tensor_list[i]`` to rank ``i`` and receive rank ``i``'s into ``output_tensor_list[i]``."""
     info = known_group(group)
-    if info is not None and fast_list(info, input_tensor_list) and fast_list(
-        info, output_tensor_list, dtype=input_tensor_list[0].dtype
-    ) and fast_list(info, input_tensor_list, dtype=output_tensor_list[0].dtype):
+    first = input_tensor_list[0] if type(input_tensor_list) is list and input_tensor_list else None
+    if info is not None and type(first) is torch.Tensor and fast_list(info, input_tensor_list, dtype=first.dtype) \
+            and fast_list(info, output_tensor_list, dtype=first.dtype):
         _COUNT.all_to_all()
         return _TORCH.all_to_all(output_tensor_list, input_tensor_list, group, async_op)
     return slow_path("all_to_all", group, _all_to_all, output_tensor_list, input_tensor_list, async_op)

@@ -136,7 +136,3 @@ def served(info: _GroupInfo, tensors: Sequence[torch.Tensor]) -> bool:
             return False
     return True
 
-
-def fast_root(info: _GroupInfo, rank: Any) -> Optional[int]:
-    """The group rank of the global rank ``rank`` when it is a valid root, else None (the slow path says why)."""
-    return info.group_ranks.get(rank) if type(rank) is int else None
