@@ -31,7 +31,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed import ReduceOp
 
 from comm import collectives, exchange
-from comm.backend import _served_types
+from comm.backend import _group_info, _served_types
 
 # The reduce ops' names in the functional collectives' schemas.
 _REDUCE_OPS = {
@@ -119,7 +119,7 @@ def _kernel(op: Any, staged: Callable[..., Any]) -> Callable[..., Any]:
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         pg = _group(args[group_at])
-        if not needed(pg):
+        if _group_info(pg).serves_cpu:  # cached per group: needed()'s answer, without asking c10d each call
             return op.redispatch(_TORCHS_OWN_KERNEL, *args, **kwargs)
         return staged(pg, *args, **kwargs)
 
