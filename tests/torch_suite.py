@@ -1,11 +1,11 @@
 """Runs cases of PyTorch's own DistributedTest (shipped in the torch wheel) and reports them as JSON.
 
-    BACKEND=gloo WORLD_SIZE=3 TEMP_DIR=... COMM_PATCH=1 python tests/torch_suite.py test_gather test_barrier ...
+    BACKEND=gloo WORLD_SIZE=3 TEMP_DIR=... STATS_DIR=... COMM_PATCH=1 python tests/torch_suite.py test_gather ...
 
 Each case spawns WORLD_SIZE fresh interpreters that import this file, and with it
 ``comm``: with ``COMM_PATCH=1`` every rank runs torch's test against comm's
 patched functions. Each rank writes what ``comm.stats()`` counted during the case
-to TEMP_DIR, so the caller can tell that comm's wrappers carried the calls.
+to STATS_DIR, so the caller can tell that comm's wrappers carried the calls.
 torch's module reads BACKEND, WORLD_SIZE and TEMP_DIR when imported.
 """
 
