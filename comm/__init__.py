@@ -9,10 +9,9 @@ counters (:mod:`comm.observability`), the profiler (:mod:`comm.profiler`) and th
 (:mod:`comm.patch`).
 """
 
-import os
-
 from comm import compile as _compile
 from comm._jupyter import JupyterCommWarning, warn_if_beside_jupyter
+from comm.arguments import env_switch
 from comm.backend import default_backend, device_types, init_process_group
 from comm.collectives import (
     all_gather,
@@ -88,11 +87,8 @@ __all__ = [
 
 def _patch_if_asked() -> None:
     """``COMM_PATCH=1`` in the environment patches torch at ``import comm``."""
-    value = os.environ.get("COMM_PATCH", "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
+    if env_switch("COMM_PATCH", "1 or 0 (true/false, yes/no, on/off)") == "on":
         patch()
-    elif value not in ("", "0", "false", "no", "off"):
-        raise ValueError(f"COMM_PATCH={value!r} is not understood; expected 1 or 0 (true/false, yes/no, on/off)")
 
 
 warn_if_beside_jupyter()

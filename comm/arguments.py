@@ -1,18 +1,20 @@
-"""Argument checks shared by the collectives and point-to-point calls.
+"""Argument checks shared by the collectives and point-to-point calls, and comm's environment switches.
 
 Every check names the argument and the form expected, and runs before any tensor
 is touched: a caller who passes something wrong learns it from comm, not from a
-backend half way through a collective.
+backend half way through a collective. An environment switch (``COMM_PATCH``,
+``COMM_PROFILE``) it does not understand is refused the same way, at import.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from comm.backend import _resolve_group
+from comm.backend import _GroupInfo, _resolve_group
 
 
 def member_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -69,8 +71,7 @@ def check_sizes(tensor: torch.Tensor, name: str, numel: int, dtype: torch.dtype)
         raise ValueError(f"{name} has {tensor.numel()} elements; expected {numel} (group size times the piece size)")
 
 
-def check_root(pg: dist.ProcessGroup, rank: Optional[int], group_rank: Optional[int],
-               name: str) -> Tuple[int, int]:
+def check_root(info: _GroupInfo, rank: Optional[int], group_rank: Optional[int], name: str) -> Tuple[int, int]:
     """Validate ``src``/``dst`` (a global rank) or ``group_src``/``group_dst``; return (group rank, global rank)."""
     if rank is not None and group_rank is not None:
         raise ValueError(f"pass {name} or group_{name}, not both")
@@ -80,21 +81,36 @@ def check_root(pg: dist.ProcessGroup, rank: Optional[int], group_rank: Optional[
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{label} must be an int, got {type(value).__name__}")
     if group_rank is None:
-        ranks = dist.get_process_group_ranks(pg)
-        if value not in ranks:
-            raise ValueError(f"{name}={value} is not a rank of the group; expected one of {ranks}")
-        return ranks.index(value), value
-    if not 0 <= value < pg.size():
-        raise ValueError(f"group_{name}={value} is out of range; expected 0 <= group_{name} < {pg.size()}")
-    return value, dist.get_global_rank(pg, value)
+        if value not in info.group_ranks:
+            raise ValueError(f"{name}={value} is not a rank of the group; expected one of {list(info.group_ranks)}")
+        return info.group_ranks[value], value
+    if not 0 <= value < info.size:
+        raise ValueError(f"group_{name}={value} is out of range; expected 0 <= group_{name} < {info.size}")
+    return value, list(info.group_ranks)[value]
 
 
-def check_peer(pg: dist.ProcessGroup, rank: Optional[int], group_rank: Optional[int], name: str) -> Tuple[int, int]:
+def check_peer(info: _GroupInfo, rank: Optional[int], group_rank: Optional[int], name: str) -> Tuple[int, int]:
     """A point-to-point peer: a root (see :func:`check_root`) that is not this process."""
-    peer, peer_global = check_root(pg, rank, group_rank, name)
-    if peer == pg.rank():
+    peer, peer_global = check_root(info, rank, group_rank, name)
+    if peer == info.rank:
         raise ValueError(f"{name}={peer_global} is this process's own rank; expected another rank of the group")
     return peer, peer_global
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def env_switch(name: str, expected: str, also: Tuple[str, ...] = ()) -> str:
+    """Environment variable ``name`` read as "on", "off" (also when unset) or one of ``also``; else refused."""
+    value = os.environ.get(name, "")
+    mode = value.strip().lower()
+    if mode in _ON:
+        return "on"
+    if mode in _OFF:
+        return "off"
+    if mode in also:
+        return mode
+    raise ValueError(f"{name}={value!r} is not understood; expected {expected}")
 
 
 def given(**kwargs: Any) -> Dict[str, Any]:

@@ -41,13 +41,16 @@ __all__ = [
     "reduce_scatter_tensor",
 ]
 
-# torch's own functions, captured at import so that comm.patch() cannot make the
-# wrappers call themselves.
-_TORCH = types.SimpleNamespace(**{name: getattr(dist, name) for name in __all__ if hasattr(dist, name)})
-# What comm itself calls to gather into, and reduce-scatter from, one flat buffer:
-# torch >= 2.12 deprecates the *_tensor names in favour of *_single.
-_all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+# The torch function each wrapper calls, captured at import so that comm.patch()
+# cannot make the wrappers call themselves. For one flat buffer comm calls whichever
+# name this torch does not deprecate: torch >= 2.12 deprecates the *_tensor names in
+# favour of *_single.
+_TORCH = types.SimpleNamespace(
+    all_reduce=dist.all_reduce, broadcast=dist.broadcast, reduce=dist.reduce, all_gather=dist.all_gather,
+    reduce_scatter=dist.reduce_scatter, barrier=dist.barrier,
+    all_gather_into_tensor=getattr(dist, "all_gather_single", dist.all_gather_into_tensor),
+    reduce_scatter_tensor=getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor),
+)
 # One call counter per collective: counting is a single C call on the fast path.
 _COUNT = types.SimpleNamespace(**{name: call_counter(name) for name in __all__ if not name.endswith("_single")})
 
@@ -126,7 +129,7 @@ def _rooted(pg: dist.ProcessGroup, info: _GroupInfo, tensor: torch.Tensor, root_
             group_root: Optional[int], op: Any, async_op: bool) -> Optional[Work]:
     """broadcast (``op`` None: the root sends, the others receive) or reduce (all send, the root receives)."""
     check_tensor(tensor, "tensor")
-    root, root_global = check_root(pg, root_rank, group_root, "src" if op is None else "dst")
+    root, root_global = check_root(info, root_rank, group_root, "src" if op is None else "dst")
     average = op is not None and emulates_avg(op, pg, info, tensor, "reduce")
     if not average and served(info, [tensor]):
         return _broadcast_or_reduce(tensor, root_global, op, pg, async_op)
@@ -162,14 +165,14 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Opt
 def _all_gather(pg: dist.ProcessGroup, info: _GroupInfo, tensor_list: List[torch.Tensor], tensor: torch.Tensor,
                 async_op: bool) -> Optional[Work]:
     check_tensor(tensor, "tensor")
-    outputs = check_tensor_list(tensor_list, "tensor_list", length=pg.size(), dtype=tensor.dtype)
+    outputs = check_tensor_list(tensor_list, "tensor_list", length=info.size, dtype=tensor.dtype)
     if any(out.numel() != tensor.numel() for out in outputs):
         return _all_gather_uneven(outputs, tensor, pg, info, async_op)
     if served(info, [tensor, *outputs]):
         return _TORCH.all_gather(tensor_list, tensor, pg, async_op)
     with Staging("all_gather", pg, info) as staging:
         source = staging.send(tensor)
-        gathered = staging.receive_flat(outputs, None, tensor.numel() * pg.size(), tensor.dtype, source.device)
+        gathered = staging.receive_flat(outputs, None, tensor.numel() * info.size, tensor.dtype, source.device)
         staging.issue(_gather_flat(gathered, source, pg, info))
         return staging.finish(async_op, outputs)
 
@@ -184,7 +187,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     info = fast_group(group, output_tensor, input_tensor)
     if info is not None and _fits(output_tensor, input_tensor, input_tensor.numel() * info.size):
         _COUNT.all_gather_into_tensor()
-        return _all_gather_flat(output_tensor, input_tensor, group, async_op)
+        return _TORCH.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
     return slow_path("all_gather_into_tensor", group, _flat, output_tensor, input_tensor, None, async_op)
 
 
@@ -198,7 +201,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = R
     info = fast_group(group, output, input)
     if info is not None and (op is _SUM or op != _AVG) and _fits(input, output, output.numel() * info.size):
         _COUNT.reduce_scatter_tensor()
-        return _reduce_scatter_flat(output, input, op, group, async_op)
+        return _TORCH.reduce_scatter_tensor(output, input, op, group, async_op)
     return slow_path("reduce_scatter_tensor", group, _flat, output, input, op, async_op)
 
 
@@ -210,20 +213,20 @@ def _flat(pg: dist.ProcessGroup, info: _GroupInfo, output: torch.Tensor, input: 
     check_tensor(output, out_name)
     check_tensor(input, in_name)
     if gathering:
-        check_sizes(output, out_name, input.numel() * pg.size(), input.dtype)
+        check_sizes(output, out_name, input.numel() * info.size, input.dtype)
     else:
-        check_sizes(input, in_name, output.numel() * pg.size(), output.dtype)
+        check_sizes(input, in_name, output.numel() * info.size, output.dtype)
     average = not gathering and emulates_avg(op, pg, info, input, "reduce_scatter")
     if not average and served(info, [input, output]):
         if gathering:
-            return _all_gather_flat(output, input, pg, async_op)
-        return _reduce_scatter_flat(output, input, op, pg, async_op)
+            return _TORCH.all_gather_into_tensor(output, input, pg, async_op)
+        return _TORCH.reduce_scatter_tensor(output, input, op, pg, async_op)
     with Staging("all_gather_into_tensor" if gathering else "reduce_scatter_tensor", pg, info, average) as staging:
         source, target = staging.send(input), staging.receive(output)
         if gathering:
             staging.issue(_gather_flat(target, source, pg, info))
         else:
-            staging.issue(_reduce_scatter_flat(target, source, staging.op(op), pg, True))
+            staging.issue(_TORCH.reduce_scatter_tensor(target, source, staging.op(op), pg, True))
         return staging.finish(async_op, [output])
 
 
@@ -245,7 +248,7 @@ def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op: Any
 def _reduce_scatter(pg: dist.ProcessGroup, info: _GroupInfo, output: torch.Tensor, input_list: List[torch.Tensor],
                     op: Any, async_op: bool) -> Optional[Work]:
     check_tensor(output, "output")
-    inputs = check_tensor_list(input_list, "input_list", pg.size(), output.dtype, output.numel())
+    inputs = check_tensor_list(input_list, "input_list", info.size, output.dtype, output.numel())
     average = emulates_avg(op, pg, info, output, "reduce_scatter")
     if not average and served(info, [output, *inputs]):
         return _TORCH.reduce_scatter(output, inputs, op, pg, async_op)
@@ -288,8 +291,8 @@ def _all_gather_uneven(outputs: List[torch.Tensor], tensor: torch.Tensor, pg: di
         largest = max(sizes)
         padded = torch.zeros(largest, dtype=tensor.dtype, device=device)
         padded[: tensor.numel()] = staging.send(tensor).reshape(-1)
-        starts = [i * largest for i in range(pg.size())]
-        gathered = staging.receive_flat(outputs, starts, largest * pg.size(), tensor.dtype, device)
+        starts = [i * largest for i in range(info.size)]
+        gathered = staging.receive_flat(outputs, starts, largest * info.size, tensor.dtype, device)
         work = _gather_flat(gathered, padded, pg, info)
         if mismatched:  # every rank still joined the gather, so none is left hanging
             work.wait()
@@ -302,7 +305,7 @@ def _all_gather_uneven(outputs: List[torch.Tensor], tensor: torch.Tensor, pg: di
 
 
 def _gather_sizes(numel: int, device: torch.device, pg: dist.ProcessGroup, info: _GroupInfo) -> List[int]:
-    sizes = torch.empty(pg.size(), dtype=torch.int64, device=device)
+    sizes = torch.empty(info.size, dtype=torch.int64, device=device)
     _gather_flat(sizes, torch.tensor([numel], dtype=torch.int64, device=device), pg, info).wait()
     return [int(n) for n in sizes.cpu()]
 
@@ -315,6 +318,6 @@ def _gather_flat(output: torch.Tensor, input: torch.Tensor, pg: dist.ProcessGrou
     comm does the same itself for gloo.
     """
     if info.backends.get(input.device.type) == "gloo":
-        return _TORCH.all_gather(list(output.view(-1).chunk(pg.size())), input.view(-1), pg, True)
-    return _all_gather_flat(output, input, pg, True)
+        return _TORCH.all_gather(list(output.view(-1).chunk(info.size)), input.view(-1), pg, True)
+    return _TORCH.all_gather_into_tensor(output, input, pg, True)
 

@@ -40,7 +40,7 @@ from torch.distributed import _functional_collectives as _functional
 from comm import collectives, exchange, norm, p2p, patch
 from comm.backend import _group_info, _GroupInfo, _native_avg
 from comm.observability import log_first_staging
-from comm.staging import _staging_target
+from comm.staging import AVG_AS_SUM, _staging_target
 
 __all__: List[str] = []
 
@@ -114,7 +114,7 @@ def _traced_peers(info: _GroupInfo, peers: Tuple[Any, ...]) -> bool:
 def _log_staging(kind: str, pg: dist.ProcessGroup, served: FrozenSet[str], target: Optional[torch.device]) -> None:
     """comm's staging log line, once per (collective, group, reason), when a graph that stages is traced."""
     if target is None:
-        message = f"{kind} (compiled): the group's backend lacks a correct ReduceOp.AVG; running SUM, then dividing"
+        message = f"{kind} (compiled): {AVG_AS_SUM}"
     else:
         message = f"{kind} (compiled): staging through {target} because the group serves only {sorted(served)}"
     log_first_staging(kind, id(pg), "compiled", lambda: message)

@@ -70,9 +70,9 @@ def _rooted_list(pg: dist.ProcessGroup, info: _GroupInfo, name: str, tensor: tor
     torch_call = _TORCH.gather if name == "gather" else _TORCH.scatter
     check_tensor(tensor, "tensor")
     label = "dst" if name == "gather" else "src"
-    root, root_global = check_root(pg, 0 if root_rank is None and group_root is None else root_rank, group_root,
+    root, root_global = check_root(info, 0 if root_rank is None and group_root is None else root_rank, group_root,
                                    label)
-    listed = _root_list(pieces, f"{name}_list", pg, root, tensor)
+    listed = _root_list(pieces, f"{name}_list", info, root, tensor)
     if served(info, [tensor, *listed]):
         return torch_call(tensor, listed or None, root_global, pg, async_op)
     with Staging(name, pg, info) as staging:
@@ -98,9 +98,9 @@ def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[t
 
 def _all_to_all(pg: dist.ProcessGroup, info: _GroupInfo, output_tensor_list: List[torch.Tensor],
                 input_tensor_list: List[torch.Tensor], async_op: bool) -> Optional[Work]:
-    inputs = check_tensor_list(input_tensor_list, "input_tensor_list", pg.size())
+    inputs = check_tensor_list(input_tensor_list, "input_tensor_list", info.size)
     check_tensor_list(inputs, "input_tensor_list", dtype=inputs[0].dtype)
-    outputs = check_tensor_list(output_tensor_list, "output_tensor_list", pg.size(), inputs[0].dtype)
+    outputs = check_tensor_list(output_tensor_list, "output_tensor_list", info.size, inputs[0].dtype)
     if served(info, [*outputs, *inputs]):
         return _TORCH.all_to_all(outputs, inputs, pg, async_op)
     with Staging("all_to_all", pg, info) as staging:
@@ -129,8 +129,8 @@ def _all_to_all_single(pg: dist.ProcessGroup, info: _GroupInfo, output: torch.Te
     check_tensor(input, "input")
     if output.dtype != input.dtype:
         raise ValueError(f"output has dtype {output.dtype}; expected {input.dtype} like input")
-    _check_splits(output_split_sizes, "output_split_sizes", output, pg.size())
-    _check_splits(input_split_sizes, "input_split_sizes", input, pg.size())
+    _check_splits(output_split_sizes, "output_split_sizes", output, info.size)
+    _check_splits(input_split_sizes, "input_split_sizes", input, info.size)
     if served(info, [output, input]):
         return _TORCH.all_to_all_single(output, input, output_split_sizes, input_split_sizes, pg, async_op)
     with Staging("all_to_all_single", pg, info) as staging:
@@ -140,16 +140,16 @@ def _all_to_all_single(pg: dist.ProcessGroup, info: _GroupInfo, output: torch.Te
         return staging.finish(async_op, [output])
 
 
-def _root_list(tensors: Optional[List[torch.Tensor]], name: str, pg: dist.ProcessGroup, root: int,
+def _root_list(tensors: Optional[List[torch.Tensor]], name: str, info: _GroupInfo, root: int,
                like: torch.Tensor) -> List[torch.Tensor]:
     """The root's list (one tensor per rank, sized like ``like``); others must pass none."""
-    if pg.rank() != root:
+    if info.rank != root:
         if tensors:
             raise ValueError(f"{name} must be None or empty on ranks other than the root (group rank {root})")
         return []
     if not tensors:
         raise ValueError(f"{name} is required on the root (group rank {root}): one tensor per rank of the group")
-    return check_tensor_list(tensors, name, pg.size(), like.dtype, like.numel())
+    return check_tensor_list(tensors, name, info.size, like.dtype, like.numel())
 
 
 def _check_splits(splits: Optional[List[int]], name: str, tensor: torch.Tensor, size: int) -> None:

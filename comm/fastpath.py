@@ -81,14 +81,17 @@ def fast_list(info: _GroupInfo, tensors: Any, numel: Optional[int] = None, dtype
     if type(tensors) is not list or len(tensors) != info.size:
         return False
     for tensor in tensors:
-        if type(tensor) is not _Tensor or numel is not None and tensor.numel() != numel:
+        if not fast_tensor(info, tensor) or numel is not None and tensor.numel() != numel:
             return False
         if dtype is not None and tensor.dtype != dtype:
             return False
-        if not (info.serves_cpu if tensor.is_cpu else info.serves_cuda if tensor.is_cuda
-                else tensor.device.type in info.device_types):
-            return False
     return True
+
+
+def fast_tensor(info: _GroupInfo, tensor: Any) -> bool:
+    """Whether ``tensor`` is a plain tensor on a device the group serves."""
+    return type(tensor) is _Tensor and (info.serves_cpu if tensor.is_cpu else info.serves_cuda if tensor.is_cuda
+                                        else tensor.device.type in info.device_types)
 
 
 def _recall(group: Optional[dist.ProcessGroup]) -> _Memo:

@@ -28,22 +28,13 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from torch.distributed import ReduceOp
+from torch.distributed._functional_collectives import REDUCE_OP_TO_STR
 
 from comm import collectives, exchange
 from comm.backend import _group_info, _served_types
 
-# The reduce ops' names in the functional collectives' schemas.
-_REDUCE_OPS = {
-    "sum": ReduceOp.SUM,
-    "avg": ReduceOp.AVG,
-    "product": ReduceOp.PRODUCT,
-    "min": ReduceOp.MIN,
-    "max": ReduceOp.MAX,
-    "band": ReduceOp.BAND,
-    "bor": ReduceOp.BOR,
-    "bxor": ReduceOp.BXOR,
-}
+# The reduce ops by the names the functional collectives' schemas give them: torch's table, inverted.
+_REDUCE_OPS = {name: op for op, name in REDUCE_OP_TO_STR.items()}
 # Redispatching with no backend key reaches the kernel torch registered as CompositeExplicitAutograd
 # (alias keys cannot be in a key set: this set is empty, and that kernel also fills the empty slot).
 _TORCHS_OWN_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)

@@ -19,7 +19,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from comm.arguments import check_peer, check_tensor, given
 from comm.backend import _GroupInfo, _resolve_group
-from comm.fastpath import fast_group, served, slow_path
+from comm.fastpath import fast_group, fast_tensor, served, slow_path
 from comm.observability import call_counter, count_staging
 from comm.staging import Staging
 from comm.work import DeferredWork, attribute_work
@@ -72,9 +72,9 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.P
     started = slow_path("recv", group, _start_recv, "recv", tensor, src, tag, group_src)
     if started is None:  # this rank is not in the group: torch's answer
         return -1
-    handle, pg, src_global = started
+    handle, src_global = started
     attribute_work(handle, "recv")  # for comm.profile(): a recv, though it ran as torch's irecv
-    return _received(handle, pg, src_global)
+    return _received(handle, group, src_global)
 
 
 def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[dist.ProcessGroup] = None, tag: int = 0,
@@ -156,10 +156,13 @@ def _fast_batch(ops: Any) -> bool:
     if type(ops) is not list or not ops or not isinstance(ops[0], dist.P2POp):
         return False
     group, send, receive = ops[0].group, c10d.isend, c10d.irecv
+    info = fast_group(group, ops[0].tensor)
+    if info is None:
+        return False
     for op in ops:
         if not isinstance(op, dist.P2POp) or not (op.op is send or op.op is receive) or op.group is not group:
             return False
-        if fast_group(group, op.tensor) is None:
+        if not fast_tensor(info, op.tensor):
             return False
     return True
 
@@ -178,7 +181,7 @@ def _fast_peer(group: Optional[dist.ProcessGroup], tensor: Any, peer: Any, group
 def _send(pg: dist.ProcessGroup, info: _GroupInfo, tensor: torch.Tensor, dst: Optional[int], tag: int,
           group_dst: Optional[int], async_op: bool) -> Optional[Work]:
     check_tensor(tensor, "tensor")
-    _, dst_global = check_peer(pg, dst, group_dst, "dst")
+    _, dst_global = check_peer(info, dst, group_dst, "dst")
     if served(info, [tensor]):
         work = _TORCH.isend(tensor, dst_global, pg, tag)
         if async_op:
@@ -192,15 +195,15 @@ def _send(pg: dist.ProcessGroup, info: _GroupInfo, tensor: torch.Tensor, dst: Op
 
 
 def _start_recv(pg: dist.ProcessGroup, info: _GroupInfo, name: str, tensor: torch.Tensor, src: Optional[int],
-                tag: int, group_src: Optional[int]) -> Tuple[Work, dist.ProcessGroup, Optional[int]]:
-    """Start a receive (staged where the group does not serve ``tensor``): its work, the group and the source."""
+                tag: int, group_src: Optional[int]) -> Tuple[Work, Optional[int]]:
+    """Start a receive (staged where the group does not serve ``tensor``): its work and the source's global rank."""
     check_tensor(tensor, "tensor")
-    src_global = None if src is None and group_src is None else check_peer(pg, src, group_src, "src")[1]
+    src_global = None if src is None and group_src is None else check_peer(info, src, group_src, "src")[1]
     if served(info, [tensor]):
-        return _TORCH.irecv(tensor, src_global, pg, tag), pg, src_global
+        return _TORCH.irecv(tensor, src_global, pg, tag), src_global
     with Staging(name, pg, info) as staging:
         staging.issue(_TORCH.irecv(staging.receive(tensor), src_global, pg, tag))
-        return staging.handle([tensor]), pg, src_global
+        return staging.handle([tensor]), src_global
 
 
 def _received(work: Work, group: Optional[dist.ProcessGroup], src: Optional[int]) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import os
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from torch.distributed.distributed_c10d import _world
 
 from comm import collectives, exchange, observability, p2p, staging
 from comm._profile_figures import MESSAGE_ARGUMENT, Measured, collective_dict, message, summary_table
+from comm.arguments import env_switch
 from comm.launch import launch_info
 from comm.work import TimedWork
 
@@ -336,28 +336,18 @@ def _install() -> None:
         (module._TORCH, name, _timed(name, getattr(module._TORCH, name)))
         for module in (collectives, exchange, p2p) for name in _SIGNATURES if hasattr(module._TORCH, name)
     ]
-    # What staged gathers and reduce-scatters call for one flat buffer, outside _TORCH.
-    swaps.append((collectives, "_all_gather_flat", _timed("all_gather_into_tensor", collectives._all_gather_flat)))
-    swaps.append((collectives, "_reduce_scatter_flat",
-                  _timed("reduce_scatter_tensor", collectives._reduce_scatter_flat)))
     swaps.append((staging, "count_staging", _count_staging))
     for holder, attribute, replacement in swaps:
         _SAVED.append((holder, attribute, getattr(holder, attribute)))
         setattr(holder, attribute, replacement)
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-
-
 def profile_if_asked() -> None:
     """``COMM_PROFILE=1``: profile the whole process, print the table to stderr at exit (rank 0; ``all``: all)."""
-    value = os.environ.get("COMM_PROFILE", "")
-    mode = value.strip().lower()
-    if mode in _FALSE:
+    mode = env_switch("COMM_PROFILE", "1 (rank 0 prints the profile at exit), all (every rank does) or 0",
+                      also=("all",))
+    if mode == "off":
         return
-    if mode not in _TRUE and mode != "all":
-        raise ValueError(f"COMM_PROFILE={value!r} is not understood; expected 1 (rank 0 prints the profile at exit), "
-                         "all (every rank does) or 0")
     whole = profile()
     whole.__enter__()
     atexit.register(_print_at_exit, whole, mode == "all")

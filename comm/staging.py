@@ -40,6 +40,8 @@ __all__ = ["staging_device"]
 
 _SUM, _AVG = ReduceOp.SUM, ReduceOp.AVG
 _UNTRACED = contextlib.nullcontext()
+# What the first staging log says of a call that emulates ReduceOp.AVG (eager or compiled).
+AVG_AS_SUM = "the group's backend lacks a correct ReduceOp.AVG; running SUM, then dividing"
 # Per group, the staging target of a bound process or group and the bound device it came from.
 _TARGETS = _GroupCache()
 
@@ -127,7 +129,7 @@ class Staging:
         self._pg = pg
         self._info = info
         self._average = average
-        self._divisor = pg.size() if average else 1
+        self._divisor = info.size if average else 1
         self._counts_call = counts_call
         self._reason = reason  # None: "device" where something moved, else "avg"
         self._target: Optional[torch.device] = None
@@ -172,9 +174,7 @@ class Staging:
                 copy = tensor.to(target, copy=True, memory_format=torch.contiguous_format)
         else:
             copy = tensor.to(target, copy=True, memory_format=torch.contiguous_format)
-        self._seconds += time.perf_counter() - start
-        self._nbytes += tensor.numel() * tensor.element_size()
-        self._moves.append((1, tensor, target))
+        self._moved([tensor], tensor, target, start)
         return copy
 
     def send_all(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -193,9 +193,7 @@ class Staging:
                 self._divided.append(tensor)
             return tensor
         buffer = self._copy_in(tensor) if reads else torch.empty(tensor.shape, dtype=tensor.dtype, device=self.target)
-        self._restores.append((buffer, [tensor], None))  # back onto the tensor's own device: one move out
-        self._moves.append((1, self.target, tensor))
-        self._nbytes += tensor.numel() * tensor.element_size()
+        self._write_back_later(buffer, [tensor], None, moves=True)  # back onto the tensor's own device
         return buffer
 
     def receive_all(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -205,7 +203,7 @@ class Staging:
                 self._divided.extend(tensors)
             return tensors
         flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=self.target)
-        self._write_back_later(flat, tensors, None)
+        self._write_back_later(flat, tensors, None, moves=True)
         return _pieces(flat, tensors)
 
     def receive_joined(self, tensors: List[torch.Tensor]) -> torch.Tensor:
@@ -217,8 +215,9 @@ class Staging:
         single = tensors[0]
         if len(tensors) == 1 and (single.is_contiguous() or device_type(single) not in self._info.device_types):
             return self.receive(single, reads=True)  # itself where served, else a copy of its shape
-        flat = self._flat_copy(tensors, self.where(tensors[0]))
-        self._write_back_later(flat, tensors, None)
+        served_here = device_type(single) in self._info.device_types
+        flat = self._flat_copy(tensors, single.device if served_here else self.target)
+        self._write_back_later(flat, tensors, None, moves=not served_here)
         return flat
 
     def receive_flat(self, tensors: List[torch.Tensor], starts: Optional[List[int]], numel: int, dtype: torch.dtype,
@@ -228,7 +227,7 @@ class Staging:
         ``starts`` None: the pieces are packed back to back.
         """
         flat = torch.empty(numel, dtype=dtype, device=device)
-        self._write_back_later(flat, tensors, starts)
+        self._write_back_later(flat, tensors, starts, moves=device != tensors[0].device)
         return flat
 
     def issue(self, work: Any) -> None:
@@ -259,12 +258,12 @@ class Staging:
         return functools.partial(_write_and_count, self.name if self.staged else None, self._restores,
                                  self._divided, self._divisor)
 
-    def _write_back_later(self, buffer: torch.Tensor, targets: List[torch.Tensor], starts: Optional[List[int]]) -> None:
-        """Plan writing ``buffer`` back into ``targets`` once the collective succeeded; count what it will move."""
+    def _write_back_later(self, buffer: torch.Tensor, targets: List[torch.Tensor], starts: Optional[List[int]],
+                          moves: bool) -> None:
+        """Plan writing ``buffer`` back into ``targets`` once the collective succeeded; count it where it ``moves``."""
         self._restores.append((buffer, targets, starts))
-        if buffer.device != targets[0].device:
-            self._moves.append((len(targets), buffer.device, targets[0].device))
-            self._nbytes += sum(t.numel() * t.element_size() for t in targets)
+        if moves:
+            self._moved(targets, buffer, targets[0])
 
     def _flat_copy(self, tensors: List[torch.Tensor], device: Optional[torch.device] = None) -> torch.Tensor:
         """One flat copy of ``tensors`` (one device) on ``device`` (the target): joined, then one transfer."""
@@ -276,12 +275,17 @@ class Staging:
             else:  # cat makes the copy; moving it is the one transfer
                 copy = torch.cat([t.reshape(-1) for t in tensors]).to(device)
         if device != tensors[0].device:
-            self._moved(tensors, tensors[0].device, device, start)
+            self._moved(tensors, tensors[0], device, start)
         return copy
 
-    def _moved(self, tensors: List[torch.Tensor], source: torch.device, dest: torch.device, start: float) -> None:
-        self._seconds += time.perf_counter() - start
-        self._nbytes += sum(t.numel() * t.element_size() for t in tensors)
+    def _moved(self, tensors: List[torch.Tensor], source: Any, dest: Any, start: Optional[float] = None) -> None:
+        """Count one transfer of ``tensors`` from ``source`` to ``dest`` (devices, or tensors standing for theirs).
+
+        ``start``: when the transfer began, for a copy made now (a write-back is timed when it runs).
+        """
+        if start is not None:
+            self._seconds += time.perf_counter() - start
+        self._nbytes += sum([t.numel() * t.element_size() for t in tensors])
         self._moves.append((len(tensors), source, dest))
 
     def __enter__(self) -> "Staging":
@@ -297,7 +301,7 @@ class Staging:
 
     def _log_message(self) -> str:
         if self._reason is None and not self._moves:
-            return f"{self.name}: the group's backend lacks a correct ReduceOp.AVG; running SUM, then dividing"
+            return f"{self.name}: {AVG_AS_SUM}"
         if self._reason == "uneven":
             return f"{self.name}: unequal sizes; gathering padded to the largest, then trimming"
         return f"{self.name}: staging {_describe(self._moves)} because the group serves only " \
