@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed import _functional_collectives as _functional
 
-from comm import collectives, exchange, norm, p2p, patch
+from comm import norm, patch
 from comm.backend import _group_info, _GroupInfo, _native_avg
 from comm.observability import log_first_staging
 from comm.staging import AVG_AS_SUM, _staging_target
@@ -278,7 +278,7 @@ _TRACED: Dict[str, Callable[..., Any]] = {
 # An alias (all_gather_single is all_gather_into_tensor) is the same function: once.
 _WRAPPERS: Dict[str, Callable[..., Any]] = {
     name: getattr(module, name)
-    for module in (collectives, exchange, p2p, norm)
+    for module in (*patch.WRAPPER_MODULES, norm)
     for name in module.__all__
     if name != "P2POp" and getattr(module, name).__name__ == name
 }

@@ -24,11 +24,14 @@ from comm import collectives, exchange, functional, norm, p2p
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
 
 _COLLECTIVE_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
+# The modules whose functions stand in for torch.distributed's (also what the
+# profiler times and what torch.compile traces).
+WRAPPER_MODULES = (collectives, exchange, p2p)
 # Every collective and point-to-point call comm wraps that this torch has. P2POp
 # stays torch's: built with the patched isend/irecv it passes torch's own checks.
 _WRAPPERS = {
     name: getattr(module, name)
-    for module in (collectives, exchange, p2p)
+    for module in WRAPPER_MODULES
     for name in module.__all__
     if name != "P2POp" and hasattr(dist, name)
 }

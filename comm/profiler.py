@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 
-from comm import collectives, exchange, observability, p2p, staging
+from comm import observability, staging
 from comm._profile_figures import MESSAGE_ARGUMENT, Measured, collective_dict, message, summary_table
 from comm.arguments import env_switch
 from comm.launch import launch_info
+from comm.patch import WRAPPER_MODULES
 from comm.work import TimedWork
 
 __all__ = ["Profile", "profile"]
@@ -334,7 +335,7 @@ def _install() -> None:
     """Put timing wrappers where comm's collectives look torch up, and count staging into the profiles."""
     swaps: List[Tuple[Any, str, Any]] = [
         (module._TORCH, name, _timed(name, getattr(module._TORCH, name)))
-        for module in (collectives, exchange, p2p) for name in _SIGNATURES if hasattr(module._TORCH, name)
+        for module in WRAPPER_MODULES for name in _SIGNATURES if hasattr(module._TORCH, name)
     ]
     swaps.append((staging, "count_staging", _count_staging))
     for holder, attribute, replacement in swaps:
