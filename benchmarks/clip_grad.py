@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 
 import comm
 
-from _launch import run_ranks
+from _harness import run_ranks
 
 LAYERS = 100
 CALLS = 200

@@ -23,8 +23,6 @@ import argparse
 import functools
 import math
 import os
-import statistics
-import time
 from typing import Any, Callable, Dict, List
 
 import torch
@@ -32,11 +30,10 @@ import torch.distributed as dist
 
 import comm
 
-from _launch import run_ranks
+from _harness import rotate, run_ranks
 
 SIZES = (16, 1024)
 CALLS = 3000  # timed calls per candidate and size
-WARMUP = 50
 
 
 def torch_step(tensor: torch.Tensor) -> torch.Tensor:
@@ -79,21 +76,10 @@ def compare(rank: int, reverse: bool) -> List[Dict[str, Any]]:
     rows = []
     for size in SIZES:
         tensor = torch.ones(size)
-        for _ in range(WARMUP):
-            for step in compiled.values():
-                step(tensor)
-        times: Dict[str, List[float]] = {name: [] for name in compiled}
-        order = list(compiled.items())
-        for index in range(CALLS):
-            for name, step in order[index % len(order):] + order[:index % len(order)]:
-                start = time.perf_counter()
-                step(tensor)
-                times[name].append(time.perf_counter() - start)
-        torch_median = statistics.median(times["torch"])
+        medians = dict(zip(compiled, rotate([functools.partial(step, tensor) for step in compiled.values()], CALLS)))
         for name in ("comm", "patched torch", "torch again"):
-            median = statistics.median(times[name])
-            rows.append({"candidate": name, "elements": size, "torch_us": torch_median * 1e6,
-                         "candidate_us": median * 1e6, "ratio": median / torch_median})
+            rows.append({"candidate": name, "elements": size, "torch_us": medians["torch"] * 1e6,
+                         "candidate_us": medians[name] * 1e6, "ratio": medians[name] / medians["torch"]})
     graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     rows.append({"graphs": graphs})
     return rows

@@ -6,9 +6,11 @@ each per round, the order rotating round by round so drift hits all three alike.
 Each row shows the medians and the two ratios against the first torch column.
 
 Part 1, two gloo ranks, 16 floats: each collective and point-to-point call of
-comm against torch's (the fast path).
+comm against torch's (the fast path), and torch's behind a wrapper that only
+forwards its arguments (the floor: what a Python shim costs before doing anything).
 Part 2, two gloo ranks: all_reduce at 1, 1 K and 1 M elements.
-Part 3, one rank: what the fast path itself costs per call, around a no-op collective.
+Part 3, one rank: what the fast path costs per call, around a real all_reduce (where
+the Python runs with cold caches, as in a training loop) and around a no-op one.
 Part 3b, two gloo ranks: DTensor's functional all_reduce with comm.patch() and
 without, in a gloo-only process and in one that also holds an hccl group.
 Part 4, two ranks on the simulated NPU (hccl): CPU tensors through comm against
@@ -27,10 +29,10 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import time
 import timeit
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -38,53 +40,48 @@ import torch.distributed as dist
 import comm
 import comm.testing
 
-from _launch import run_ranks
+from _harness import Call, rotate, run_ranks
 
 CALLS = 4000  # timed calls per side in parts 1 and 4
 SIZE_CALLS = {1: 10000, 1024: 10000, 1024 * 1024: 3000}  # part 2: 1 M calls vary by 35%
-WARMUP = 50
 DECISION_CALLS, DECISION_REPEATS = 200_000, 7
 TENSOR_COUNTS = (1, 8, 64)
 NPU = {"name": "npu", "backend": "hccl"}
 
-Call = Callable[[], Any]
-
-
-def _rotate(sides: Sequence[Call], calls: int, setups: Optional[Sequence[Call]] = None) -> List[float]:
-    """Median seconds per call of each side, timed one call each per round in rotating order.
-
-    ``setups[i]``, where given, runs untimed before each call of side ``i``.
-    """
-    for _ in range(WARMUP):
-        for side in sides:
-            side()
-    times: List[List[float]] = [[] for _ in sides]
-    for index in range(calls):
-        for offset in range(len(sides)):
-            which = (index + offset) % len(sides)
-            if setups is not None:
-                setups[which]()
-            start = time.perf_counter()
-            sides[which]()
-            times[which].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
-
 
 def _row(name: str, medians: List[float]) -> Dict[str, Any]:
-    reference, candidate, control = medians
-    return {"name": name, "torch_us": reference * 1e6, "comm_us": candidate * 1e6,
-            "ratio": candidate / reference, "control": control / reference}
+    """Medians of torch, the candidate, [a forwarding wrapper,] torch again: as a table row."""
+    reference, candidate, control = medians[0], medians[1], medians[-1]
+    row = {"name": name, "torch_us": reference * 1e6, "comm_us": candidate * 1e6,
+           "ratio": candidate / reference, "control": control / reference}
+    if len(medians) == 4:
+        row["floor"] = medians[2] / reference
+    return row
+
+
+def _forwarder(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A Python function that only hands its arguments to ``function``: the least any Python shim adds."""
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+    return forward
+
+
+# torch's calls, each behind a forwarding wrapper (a P2POp must still name torch's isend/irecv).
+FORWARDED = SimpleNamespace(**{name: _forwarder(getattr(dist, name)) for name in (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "reduce_scatter", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend",
+    "irecv", "batch_isend_irecv", "all_gather_single", "reduce_scatter_single") if hasattr(dist, name)})
 
 
 def _calls(module: Any, rank: int, numel: int) -> Dict[str, Call]:
-    """One call per wrapper, made with ``module`` (torch.distributed or comm) on prepared tensors."""
+    """One call per wrapper, made with ``module`` (torch.distributed, comm or FORWARDED) on prepared tensors."""
     size, peer = dist.get_world_size(), 1 - rank
     x, y = torch.ones(numel), torch.zeros(numel)
     pieces, outputs = list(torch.ones(numel * size).chunk(size)), [torch.zeros(numel) for _ in range(size)]
     big = torch.zeros(numel * size)
-    op_class = comm.P2POp if module is comm else dist.P2POp
-    batch = [op_class(module.isend, x, peer), op_class(module.irecv, y, peer)]
-    return {
+    ops_of = comm if module is comm else dist
+    batch = [ops_of.P2POp(ops_of.isend, x, peer), ops_of.P2POp(ops_of.irecv, y, peer)]
+    calls = {
         "all_reduce": lambda: module.all_reduce(x),
         "broadcast": lambda: module.broadcast(x, src=0),
         "reduce": lambda: module.reduce(x, dst=0),
@@ -101,11 +98,17 @@ def _calls(module: Any, rank: int, numel: int) -> Dict[str, Call]:
         "isend / irecv": lambda: (module.isend(x, peer) if rank == 0 else module.irecv(y, peer)).wait(),
         "batch_isend_irecv": lambda: [work.wait() for work in module.batch_isend_irecv(batch)],
     }
+    if hasattr(dist, "all_gather_single"):  # torch >= 2.12 deprecates the *_tensor names: time both
+        calls["all_gather_single"] = lambda: module.all_gather_single(big, x)
+        calls["reduce_scatter_single"] = lambda: module.reduce_scatter_single(y, big)
+    return calls
 
 
 def every_call(rank: int, calls: int) -> List[Dict[str, Any]]:
-    torch_calls, comm_calls = _calls(dist, rank, 16), _calls(comm, rank, 16)
-    return [_row(name, _rotate([call, comm_calls[name], call], calls)) for name, call in torch_calls.items()]
+    """Each call: torch's, comm's, torch's behind a forwarding wrapper, and torch's again."""
+    torch_calls, comm_calls, forwarded = _calls(dist, rank, 16), _calls(comm, rank, 16), _calls(FORWARDED, rank, 16)
+    return [_row(name, rotate([call, comm_calls[name], forwarded[name], call], calls))
+            for name, call in torch_calls.items()]
 
 
 def all_reduce_sizes(rank: int) -> List[Dict[str, Any]]:
@@ -113,7 +116,7 @@ def all_reduce_sizes(rank: int) -> List[Dict[str, Any]]:
     for numel, calls in SIZE_CALLS.items():
         tensor = torch.ones(numel)
         sides = [functools.partial(fn, tensor) for fn in (dist.all_reduce, comm.all_reduce, dist.all_reduce)]
-        rows.append(_row(f"{numel}", _rotate(sides, calls)))
+        rows.append(_row(f"{numel}", rotate(sides, calls)))
     return rows
 
 
@@ -136,9 +139,21 @@ def functional_patched(rank: int, calls: int, with_hccl: bool) -> List[Dict[str,
         return lambda: (to(), dist.barrier(group))  # both ranks start the timed call together
 
     setups = [switch(comm.unpatch), switch(comm.patch), switch(comm.unpatch)]
-    medians = _rotate([call, call, call], calls, setups)
+    medians = rotate([call, call, call], calls, setups)
     comm.unpatch()
     return [_row("functional all_reduce", medians)]
+
+
+def one_rank_cost(rank: int, calls: int) -> Dict[str, float]:
+    """Microseconds per all_reduce of 16 floats on a one-rank gloo group: torch's, comm's, forwarded, torch's again.
+
+    Between calls the process sleeps on the collective, so the Python of each call
+    runs with cold caches: this is what the fast path costs in a real loop.
+    """
+    x = torch.ones(16)
+    sides = [functools.partial(fn, x) for fn in (dist.all_reduce, comm.all_reduce, FORWARDED.all_reduce,
+                                                  dist.all_reduce)]
+    return dict(zip(("torch", "comm", "forwarding wrapper", "torch again"), (t * 1e6 for t in rotate(sides, calls))))
 
 
 def decision_cost(rank: int) -> Dict[str, float]:
@@ -195,7 +210,7 @@ def staged_against_by_hand(rank: int, calls: int) -> List[Dict[str, Any]]:
     for numel in (1, 4096):
         sides = _by_hand(rank, numel)
         for name in ("all_reduce", "broadcast", "all_gather_into_tensor"):
-            rows.append(_row(f"{name} {numel}", _rotate([sides[name], sides[f"comm {name}"], sides[name]], calls)))
+            rows.append(_row(f"{name} {numel}", rotate([sides[name], sides[f"comm {name}"], sides[name]], calls)))
     return rows
 
 
@@ -227,7 +242,7 @@ def staging_duties(rank: int, calls: int) -> List[Dict[str, Any]]:
         "comm.all_reduce": lambda: comm.all_reduce(x),
     }
     by_hand = fix()
-    return [_row(name, _rotate([by_hand, duty, by_hand], calls)) for name, duty in duties.items()]
+    return [_row(name, rotate([by_hand, duty, by_hand], calls)) for name, duty in duties.items()]
 
 
 def staging_counts(rank: int) -> List[Dict[str, Any]]:
@@ -250,11 +265,13 @@ def staging_counts(rank: int) -> List[Dict[str, Any]]:
 
 
 def _print_rows(title: str, label: str, rows: List[Dict[str, Any]], reference: str, candidate: str) -> None:
+    floor = "floor" in rows[0]
     print(f"\n{title}")
-    print(f"{label:>28} {reference:>12} {candidate:>12} {'ratio':>7} {'A/A':>7}")
+    print(f"{label:>28} {reference:>12} {candidate:>12} {'ratio':>7}" + (f" {'wrapper':>8}" if floor else "")
+          + f" {'A/A':>7}")
     for row in rows:
-        print(f"{row['name']:>28} {row['torch_us']:>12.1f} {row['comm_us']:>12.1f} {row['ratio']:>7.3f} "
-              f"{row['control']:>7.3f}")
+        print(f"{row['name']:>28} {row['torch_us']:>12.1f} {row['comm_us']:>12.1f} {row['ratio']:>7.3f}"
+              + (f" {row['floor']:>8.3f}" if floor else "") + f" {row['control']:>7.3f}")
 
 
 def main() -> None:
@@ -263,6 +280,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, 2 ranks; medians of single calls in rotating order "
           "(torch, comm, torch again); ratio = comm / torch, A/A = torch again / torch")
+    print("Part 1's 'wrapper' column: torch's call behind a Python function that only forwards its arguments, "
+          "against torch's call: what any Python shim costs here before it does anything")
     _print_rows(f"Fast path, 16 floats on gloo, {args.calls} calls per side", "call",
                 run_ranks(functools.partial(every_call, calls=args.calls)), "torch us", "comm us")
     _print_rows("all_reduce on gloo by size", "elements", run_ranks(all_reduce_sizes), "torch us", "comm us")
@@ -272,6 +291,12 @@ def main() -> None:
     _print_rows("... in a process that also holds an hccl group (comm's CPU kernels registered)", "process",
                 run_ranks(functools.partial(functional_patched, calls=args.calls, with_hccl=True), simulate=NPU),
                 "torch us", "patched us")
+    one = run_ranks(functools.partial(one_rank_cost, calls=args.calls), world_size=1)
+    print(f"\nThe fast path in a real loop: all_reduce of 16 floats on one gloo rank, {args.calls} calls per side, "
+          "medians in rotating order")
+    print("  " + ", ".join(f"{name} {us:.2f} us" for name, us in one.items())
+          + f"; over torch: comm {one['comm'] - one['torch']:+.2f} us, "
+          f"forwarding wrapper {one['forwarding wrapper'] - one['torch']:+.2f} us")
     costs = run_ranks(decision_cost, world_size=1)
     print("\nThe fast path's own cost: ns per call around a no-op collective (timeit, best of 7)")
     print("  " + ", ".join(f"{name} {ns:.0f} ns" for name, ns in costs.items())

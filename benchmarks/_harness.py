@@ -1,13 +1,19 @@
-"""Start benchmark ranks: spawned processes meeting through a FileStore; rank 0 reports."""
+"""What every benchmark shares: ranks started in fresh processes, and single calls timed in rotating order."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import statistics
 import tempfile
-from typing import Any, Callable, Dict, Optional
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
+
+WARMUP = 50  # untimed rounds before timing
+
+Call = Callable[[], Any]
 
 
 def run_ranks(body: Callable[[int], Any], world_size: int = 2, backend: str = "gloo",
@@ -41,3 +47,24 @@ def _rank(body: Callable[[int], Any], rank: int, world_size: int, store: str, ba
     if rank == 0:
         results.put(result)
     dist.destroy_process_group()
+
+
+def rotate(sides: Sequence[Call], calls: int, setups: Optional[Sequence[Call]] = None) -> List[float]:
+    """Median seconds per call of each side, timed one call each per round in rotating order.
+
+    The order rotates round by round, so drift and position effects hit every side
+    alike. ``setups[i]``, where given, runs untimed before each call of side ``i``.
+    """
+    for _ in range(WARMUP):
+        for side in sides:
+            side()
+    times: List[List[float]] = [[] for _ in sides]
+    for index in range(calls):
+        for offset in range(len(sides)):
+            which = (index + offset) % len(sides)
+            if setups is not None:
+                setups[which]()
+            start = time.perf_counter()
+            sides[which]()
+            times[which].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
