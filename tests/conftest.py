@@ -1,3 +1,4 @@
+import functools
 import os
 import sys
 
@@ -8,6 +9,8 @@ import torch.distributed as dist
 # Rank processes import test modules by name; make this folder importable there too.
 sys.path.insert(0, os.path.dirname(__file__))
 
+from multiproc import launched_by  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` need a real CUDA device; `make gpu-check` runs them."""
@@ -17,6 +20,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """``launched(env)``: for this test, ``env``'s launcher variables and no other launcher's."""
+    return functools.partial(launched_by, monkeypatch=monkeypatch)
 
 
 @pytest.fixture

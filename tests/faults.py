@@ -5,12 +5,16 @@ test chooses: by raising when the collective is issued, or by returning a work
 whose ``wait()`` raises. It is a Python process group (c10d's one hook for a
 backend written in Python) around the simulated C++ backend, which rejects tensors
 of other devices with the error the group's own dispatch raises.
+
+``failure_problems`` is the check every atomicity test makes with it: a call whose
+collectives fail raises the injected error, says what comm staged, and leaves the
+caller's tensors as they were.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, List, Set
+from typing import Any, Callable, List, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -18,6 +22,8 @@ import torch.distributed as dist
 from comm.testing._process_group import create_backend
 
 INJECTED = "injected backend failure"
+# How an injected failure shows: "raise" when the collective is issued, "fail_wait" when its work is waited on.
+FAILURE_MODES = ("raise", "fail_wait")
 
 # ProcessGroup methods c10d calls on a Python group, and the Backend method for each.
 _FORWARDED = {
@@ -129,3 +135,52 @@ def register_faulty_backend(device_type: str = "npu") -> None:
 
     if "faulty" not in dist.Backend.backend_list:
         dist.Backend.register_backend("faulty", create, devices=[device_type])
+
+
+def fail_next(mode: str, calls: int = 1) -> None:
+    """Make the group's next ``calls`` collectives fail in ``mode`` (one of FAILURE_MODES), and no others."""
+    PLAN.clear()
+    failing = PLAN.raise_on if mode == "raise" else PLAN.fail_wait_on
+    failing.update(range(PLAN.calls + 1, PLAN.calls + 1 + calls))
+
+
+def failure_problems(
+    label: str,
+    call: Callable[[], Any],
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    mode: str,
+    calls: int = 1,
+) -> List[str]:
+    """Run ``call()`` with its next ``calls`` collectives failing in ``mode``; return what went wrong ([] if nothing).
+
+    ``call`` must raise the injected error as the backend raised it, with comm's note
+    of what it staged, and leave ``tensors`` (the caller's) bit-identical: a failed
+    staged call must not hand back half-written data. Afterwards nothing fails any
+    more and the ranks meet at a barrier of ``group``, so that a failure one rank saw
+    alone does not leave its peer's next call unmatched.
+    """
+    before = [tensor.clone() for tensor in tensors]
+    fail_next(mode, calls)
+    problems = []
+    try:
+        call()
+        problems.append(f"{label} {mode}: no error")
+    except RuntimeError as error:
+        problems += _error_problems(label, mode, error)
+    if not all(torch.equal(tensor, kept) for tensor, kept in zip(tensors, before)):
+        problems.append(f"{label} {mode}: the caller's tensors changed")
+    PLAN.clear()
+    dist.barrier(group=group)
+    return problems
+
+
+def _error_problems(label: str, mode: str, error: RuntimeError) -> List[str]:
+    """What is wrong with ``error`` as the report of a failure injected in ``mode`` ([] if nothing)."""
+    injected = f"{INJECTED} (on wait)" if mode == "fail_wait" else f"{INJECTED} (on call "
+    problems = []
+    if not str(error).startswith(injected):
+        problems.append(f"{label} {mode}: unexpected error {error!r}")
+    if "comm staged" not in "".join(getattr(error, "__notes__", [])):
+        problems.append(f"{label} {mode}: no note of what was staged")
+    return problems

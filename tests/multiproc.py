@@ -6,6 +6,9 @@ FileStore in a fresh temporary directory: no ports, safe under pytest-xdist.
 
 ``run_launched`` starts plain interpreters instead, with an environment as a launcher
 (srun, mpirun) builds it: for rendezvous that comm must find on its own.
+
+``error_of`` turns what a call raises into a message, a value a rank can return
+(an exception may not survive the pickle to the parent) and a test can compare.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Type
 
 import pytest
 
@@ -159,6 +162,25 @@ def _wait_for_each_other(workdir: str, survivors: int) -> None:
     store.wait(["all finished"], datetime.timedelta(seconds=60))
 
 
+def error_of(
+    call: Callable[..., Any],
+    *args: Any,
+    catch: Tuple[Type[BaseException], ...] = (RuntimeError,),
+    typed: bool = False,
+) -> Optional[str]:
+    """The message of the error ``call(*args)`` raises, or None when it returns.
+
+    Only ``catch``'s exceptions are caught: any other fails the test as it stands.
+    ``typed`` puts the exception's class before the message ("ValueError: ..."),
+    for comparisons where the class matters too.
+    """
+    try:
+        call(*args)
+    except catch as error:
+        return f"{type(error).__name__}: {error}" if typed else str(error)
+    return None
+
+
 def skip_unless_simulation() -> None:
     """Skip the calling test where the simulated accelerator cannot be built; else build it now.
 
@@ -236,6 +258,15 @@ def without_launcher(env: Mapping[str, str]) -> Dict[str, str]:
     return {name: value for name, value in env.items() if not is_launcher_variable(name)}
 
 
+def quiet_env(**extra: str) -> Dict[str, str]:
+    """This process's environment for a child Python process, with ``extra`` added.
+
+    Warnings are off, so that stderr holds only what the test reads, and OpenMP runs
+    one thread per process, so that the ranks of a test do not fight over the cores.
+    """
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **extra}
+
+
 def free_port() -> int:
     """A TCP port nothing on this host listens on right now."""
     with socket.socket() as probe:
@@ -259,7 +290,7 @@ def run_launched(script: str, rank_envs: Sequence[Mapping[str, str]], timeout: f
     plus its entry of ``rank_envs``: nothing else tells it who it is. Any non-zero
     exit fails the call with every process's stderr.
     """
-    base = {**without_launcher(os.environ), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    base = without_launcher(quiet_env())
     processes = [subprocess.Popen([sys.executable, script], env={**base, **rank_env}, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for rank_env in rank_envs]
     outputs = []

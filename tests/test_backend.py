@@ -7,7 +7,7 @@ import torch.distributed as dist
 import comm
 from comm.backend import _backend_string_device_types
 
-from multiproc import NPU, file_store, init_group, launched_by, run_ranks
+from multiproc import NPU, file_store, init_group, run_ranks
 
 
 def test_default_backend_cpu_and_mps():
@@ -129,10 +129,10 @@ def test_explicit_backend_wins_on_simulated_npu():
 
 
 @pytest.fixture
-def no_launcher(monkeypatch):
-    """A process started by hand: no launcher's variables."""
-    launched_by({}, monkeypatch)
-    yield monkeypatch
+def no_launcher(launched):
+    """A process started by hand: no launcher's variables; yields ``launched``, to set a launcher's later."""
+    launched({})
+    yield launched
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -147,22 +147,21 @@ def test_a_single_process_gets_a_group_of_one(no_launcher):
 def test_what_the_caller_passes_wins_over_the_launcher(no_launcher, tmp_path):
     # srun says rank 5 of 8 and names hosts that do not exist; the caller's store and
     # rank decide, so the node list is never contacted.
-    launched_by({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-                 "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_JOB_ID": "4242"},
-                no_launcher)
+    no_launcher({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+                 "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_JOB_ID": "4242"})
     comm.init_process_group(store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
     dist.destroy_process_group()
     # Under mpirun without MASTER_ADDR an init_method from the caller is all it needs.
-    launched_by({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
-                 "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, no_launcher)
+    no_launcher({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE": "1"})
     comm.init_process_group(init_method=f"file://{tmp_path / 'file_init'}")
     assert (comm.launch_info().launcher, dist.get_rank(), dist.get_world_size()) == ("openmpi", 0, 1)
 
 
 def test_mpirun_without_master_addr_says_what_to_set(no_launcher):
-    launched_by({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-                 "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_PORT": "29500"}, no_launcher)
+    no_launcher({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_PORT": "29500"})
     with pytest.raises(ValueError, match="MASTER_ADDR is not set, so comm cannot tell where rank 0 of this openmpi "
                                          "launch listens; expected MASTER_ADDR"):
         comm.init_process_group()

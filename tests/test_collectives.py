@@ -3,6 +3,7 @@
 import functools
 import logging
 import time
+from typing import Any, Callable, List
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ from torch.distributed import ReduceOp
 import comm
 import comm.testing
 
-from faults import INJECTED, PLAN, register_faulty_backend
-from multiproc import NPU, SEED_ERROR, file_store, run_ranks
+from faults import FAILURE_MODES, failure_problems, register_faulty_backend
+from multiproc import NPU, SEED_ERROR, error_of, file_store, run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool]
 
@@ -168,7 +169,7 @@ def _cpu_tensors_on_simulated_hccl(rank, world_size):
     group = dist.group.WORLD
     differences = []
     for name, call, make in _wrapper_calls(rank, group):
-        unpatched = _torch_says(functools.partial(call, dist, make(torch.float32, True), False))
+        unpatched = error_of(call, dist, make(torch.float32, True), False)
         if unpatched != SEED_ERROR:
             differences.append(f"{name}: torch alone on CPU tensors says {unpatched!r}")
         for dtype in (torch.float32, torch.int64):
@@ -257,8 +258,8 @@ def _uneven_and_avg(rank, world_size, force_avg_emulation):
         comm.reduce_scatter_tensor(scattered, values.clone(), ReduceOp.AVG)
         seen["reduce_scatter"] = scattered
     except RuntimeError as error:  # gloo in torch 2.1 cannot reduce-scatter: torch's error passes through
-        seen["reduce_scatter"] = (str(error), _torch_says(
-            lambda: dist.reduce_scatter_tensor(torch.zeros(6, dtype=values.dtype), values.clone())))
+        seen["reduce_scatter"] = (str(error), error_of(
+            dist.reduce_scatter_tensor, torch.zeros(6, dtype=values.dtype), values.clone()))
     integers = torch.arange(4)
     with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
         comm.all_reduce(integers, op=ReduceOp.AVG)
@@ -276,17 +277,8 @@ def _uneven_and_avg(rank, world_size, force_avg_emulation):
     seen["emulated"] = force_avg_emulation or dist.get_backend() == "hccl"
     if seen["emulated"]:
         on_device = values.to(comm.current_device())
-        seen["torch_avg"] = _torch_says(lambda: dist.all_reduce(on_device, op=ReduceOp.AVG))
+        seen["torch_avg"] = error_of(functools.partial(dist.all_reduce, on_device, op=ReduceOp.AVG))
     return seen
-
-
-def _torch_says(call):
-    """What torch's own call does: "ok", or its error message."""
-    try:
-        call()
-    except RuntimeError as error:
-        return str(error)
-    return "ok"
 
 
 def _check_uneven_and_avg(results, world_size):
@@ -315,7 +307,7 @@ def test_uneven_all_gather_and_avg_on_gloo(force_avg_emulation):
     _check_uneven_and_avg(results, 2)
     if force_avg_emulation:  # what gloo itself does, as comm's table says: AVG since torch 2.8
         gloo_avg = comm.backend._TORCH_VERSION >= comm.backend._NATIVE_AVG_SINCE["gloo"]["all_reduce"]
-        assert results[0]["torch_avg"] == ("ok" if gloo_avg else "Cannot use ReduceOp.AVG with Gloo")
+        assert results[0]["torch_avg"] == (None if gloo_avg else "Cannot use ReduceOp.AVG with Gloo")
 
 
 def test_uneven_all_gather_and_avg_on_simulated_hccl_without_avg():
@@ -325,29 +317,23 @@ def test_uneven_all_gather_and_avg_on_simulated_hccl_without_avg():
     assert results[0]["torch_avg"] == "Cannot use ReduceOp.AVG with HCCL"
 
 
+def _call_and_wait(call: Callable[..., Any], tensors: List[torch.Tensor], async_op: bool) -> None:
+    """comm's ``call`` on ``tensors``, waited for when it returns a work."""
+    work = call(comm, tensors, async_op)
+    if work is not None:
+        work.wait()
+
+
 def _failures_leave_tensors_unchanged(rank, world_size):
     register_faulty_backend()
     group = dist.new_group([0, 1], backend="faulty")
     problems = []
     for name, call, make in _wrapper_calls(rank, group):
-        for mode in ("raise", "fail_wait"):
+        for mode in FAILURE_MODES:
             for async_op in (False, True):
                 tensors = make(torch.float32, True)
-                before = [t.clone() for t in tensors]
-                PLAN.clear()
-                (PLAN.raise_on if mode == "raise" else PLAN.fail_wait_on).update(range(PLAN.calls + 1, PLAN.calls + 3))
-                try:
-                    work = call(comm, tensors, async_op)
-                    if work is not None:
-                        work.wait()
-                    problems.append(f"{name} {mode} async={async_op}: no error")
-                except RuntimeError as error:
-                    if INJECTED not in str(error) or "comm staged" not in "".join(getattr(error, "__notes__", [])):
-                        problems.append(f"{name} {mode}: unexpected error {error!r}")
-                if not all(torch.equal(a, b) for a, b in zip(tensors, before)):
-                    problems.append(f"{name} {mode} async={async_op}: caller's tensors changed")
-                PLAN.clear()
-                dist.barrier(group=group)  # realign ranks after a one-sided failure
+                staged = functools.partial(_call_and_wait, call, tensors, async_op)
+                problems += failure_problems(f"{name} async={async_op}", staged, tensors, group, mode, calls=2)
     recovered = torch.full((2,), float(rank))
     comm.all_reduce(recovered, group=group)
     if not torch.equal(recovered, torch.full((2,), 1.0)):

@@ -1,23 +1,19 @@
 """The examples, run as users run them: under real torchrun, on the CPU and the simulated NPU."""
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import List, Tuple
 
-from multiproc import SEED_ERROR, free_port, skip_unless_simulation
+from multiproc import SEED_ERROR, free_port, quiet_env, skip_unless_simulation
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def _env():
-    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-
-
 def _torchrun(*args, timeout=240):
     command = [sys.executable, "-m", "torch.distributed.run", *args]
-    return subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=timeout)
+    return subprocess.run(command, capture_output=True, text=True, env=quiet_env(), timeout=timeout)
 
 
 def test_train_ddp_on_two_torchrun_nodes_over_loopback():
@@ -29,7 +25,7 @@ def test_train_ddp_on_two_torchrun_nodes_over_loopback():
               str(EXAMPLES / "train_ddp.py"), "--simulate", "npu", "--steps", "10"]
     command = [sys.executable, "-m", "torch.distributed.run"]
     nodes = [subprocess.Popen(command + common, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env()) for _ in range(2)]
+                              env=quiet_env()) for _ in range(2)]
     outputs = [node.communicate(timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     printed = "".join(stdout for stdout, _ in outputs)
@@ -49,9 +45,16 @@ def test_train_ddp_on_two_simulated_npus_of_one_node():
     assert losses[0][2] == losses[1][2]
 
 
-def test_legacy_trainer_fails_as_is_and_works_under_python_m_comm():
+def _step_losses(stdout: str) -> List[Tuple[str, str, str]]:
+    """(rank, step, mean loss) for each step legacy_trainer.py printed, in rank and step order."""
+    return sorted(re.findall(r"rank (\d): step (\d) mean loss (\S+)", stdout))
+
+
+def test_legacy_trainer_fails_as_is_and_works_under_python_m_comm_compiled_too():
+    """One eager run under python -m comm serves both checks: the ranks stay in sync, and
+    compiling each step (aot_eager) gives its losses step by step, bit for bit."""
     skip_unless_simulation()
-    script = [str(EXAMPLES / "legacy_trainer.py"), "--simulate", "npu", "--steps", "3"]
+    script = [str(EXAMPLES / "legacy_trainer.py"), "--simulate", "npu", "--steps", "4"]
     plain = _torchrun("--standalone", "--nproc-per-node", "2", *script)
     assert plain.returncode != 0 and SEED_ERROR in plain.stderr
     patched = _torchrun("--standalone", "--nproc-per-node", "2", "-m", "comm", *script)
@@ -59,6 +62,11 @@ def test_legacy_trainer_fails_as_is_and_works_under_python_m_comm():
     lines = re.findall(r"rank (\d): mean loss (\S+) parameter checksum (\S+)", patched.stdout)
     assert sorted(rank for rank, _, _ in lines) == ["0", "1"]
     assert lines[0][1:] == lines[1][1:]  # the ranks stayed in sync
+    compiled = _torchrun("--standalone", "--nproc-per-node", "2", "-m", "comm", *script, "--compile", "aot_eager",
+                         timeout=300)
+    assert compiled.returncode == 0, compiled.stderr
+    assert len(_step_losses(patched.stdout)) == 8
+    assert _step_losses(compiled.stdout) == _step_losses(patched.stdout)  # both ranks, every step
 
 
 def test_fsdp2_offload_example_shows_the_failure_then_trains():

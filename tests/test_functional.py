@@ -1,6 +1,8 @@
 """comm.functional: DTensor's functional collectives on CPU-offloaded shards, under comm.patch()."""
 
+import functools
 import itertools
+from typing import List
 
 import pytest
 import torch
@@ -169,24 +171,27 @@ def test_dtensor_redistributions_on_gloo_are_bit_identical_through_comms_kernels
             assert torch.equal(ours, theirs) and ours.dtype == theirs.dtype
 
 
+def _all_reduce_then_wait(tensor: torch.Tensor, group_name: str, issued: List[bool]) -> None:
+    """A functional all_reduce of ``tensor``, then wait_tensor on its result.
+
+    ``issued`` records that issuing returned: the failure is for wait_tensor to report.
+    """
+    pending = FUNCTIONAL.all_reduce(tensor, "sum", group_name)
+    issued.append(True)
+    FUNCTIONAL.wait_tensor(pending)
+
+
 def _failure_reaches_wait_tensor(rank, world_size):
     """A staged functional collective whose backend fails: wait_tensor raises, nothing is silently wrong."""
-    from faults import PLAN, register_faulty_backend
+    from faults import failure_problems, register_faulty_backend
 
     register_faulty_backend()
     with comm.patched():
         group = dist.new_group([0, 1], backend="faulty")  # serves only the NPU: comm registers its kernels
-        seen = {"registered": comm.functional.is_registered()}
-        PLAN.clear()
-        PLAN.fail_wait_on.add(PLAN.calls + 1)
-        pending = FUNCTIONAL.all_reduce(torch.ones(3), "sum", group.group_name)
-        try:
-            FUNCTIONAL.wait_tensor(pending)
-            seen["wait"] = "no error"
-        except RuntimeError as error:
-            seen["wait"] = str(error)
-        PLAN.clear()
-        dist.barrier(group=group)
+        seen = {"registered": comm.functional.is_registered(), "issued": []}
+        tensor = torch.ones(3)
+        call = functools.partial(_all_reduce_then_wait, tensor, group.group_name, seen["issued"])
+        seen["problems"] = failure_problems("all_reduce", call, [tensor], group, "fail_wait")
         seen["next"] = FUNCTIONAL.wait_tensor(FUNCTIONAL.all_reduce(torch.ones(3), "sum", group.group_name)).tolist()
     return seen
 
@@ -194,5 +199,6 @@ def _failure_reaches_wait_tensor(rank, world_size):
 def test_a_failed_staged_functional_collective_raises_on_wait_tensor():
     for seen in run_ranks(_failure_reaches_wait_tensor, 2, backend="hccl", simulate=NPU):
         assert seen["registered"]
-        assert seen["wait"].startswith("injected backend failure (on wait)")
+        assert seen["issued"] == [True]  # the failure came from wait_tensor, not from issuing the collective
+        assert seen["problems"] == []
         assert seen["next"] == [2.0, 2.0, 2.0]

@@ -53,12 +53,6 @@ def _torchrun(rank, size, local_rank, local_size, group_rank, port="29400"):
             "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "none"}
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """Set a launcher's variables for one test, with every other launcher's removed."""
-    return lambda env: launched_by(env, monkeypatch)
-
-
 _SINGLE = dict(launcher="single", rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
                master_addr=None, master_port=None)
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 import comm
 import comm.testing
 
-from multiproc import NPU, SEED_ERROR, file_store, run_ranks
+from multiproc import NPU, SEED_ERROR, error_of, file_store, run_ranks
 
 NORM_TYPES = [1.0, 2.0, 3.5, math.inf, 0.0]
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5}
@@ -215,11 +215,7 @@ def _second_seed(rank, world_size):
     seen["forward"], seen["backward"] = str(output.device), sorted(backward)
     seen["grad_devices"] = sorted({p.grad.to_local().device.type for p in model.parameters()})
     saved = [p.grad.to_local().clone() for p in model.parameters()]
-    try:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        seen["torch"] = "no error"
-    except RuntimeError as error:
-        seen["torch"] = str(error)
+    seen["torch"] = error_of(torch.nn.utils.clip_grad_norm_, model.parameters(), 1.0)
     for param, grad in zip(model.parameters(), saved):  # in case torch scaled some before failing
         param.grad.to_local().copy_(grad)
     seen["norm"] = comm.clip_grad_norm_(model.parameters(), 1.0)

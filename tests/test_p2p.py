@@ -1,13 +1,15 @@
 """comm.p2p: point-to-point calls give torch's results, and each side stages its own tensor."""
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import comm
 
-from faults import INJECTED, PLAN, register_faulty_backend
-from multiproc import NPU, SEED_ERROR, run_ranks
+from faults import FAILURE_MODES, failure_problems, register_faulty_backend
+from multiproc import NPU, SEED_ERROR, error_of, run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 
@@ -101,18 +103,11 @@ def _matches_torch_on_gloo(rank, world_size):
             # Strided tensors: torch refuses them before communicating; comm must say the same.
             peer = [r for r in dist.get_process_group_ranks(group) if r != rank][0]
             for kind in ("isend", "irecv"):
-                outcomes = [_error_of(getattr(m, kind), _data(0, dtype, False), peer, group) for m in (dist, comm)]
+                outcomes = [error_of(getattr(m, kind), _data(0, dtype, False), peer, group,
+                                     catch=(RuntimeError, ValueError), typed=True) for m in (dist, comm)]
                 if outcomes[0] != outcomes[1] or outcomes[0] is None:
                     differences.append(f"{label} strided {kind} {dtype}: torch {outcomes[0]}, comm {outcomes[1]}")
     return differences
-
-
-def _error_of(call, *args):
-    try:
-        call(*args)
-    except (RuntimeError, ValueError) as error:
-        return f"{type(error).__name__}: {error}"
-    return None
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -130,11 +125,7 @@ def _cpu_tensors_on_simulated_hccl(rank, world_size):
         ("isend", lambda: dist.isend(torch.ones(2), 1 - rank)),
         ("batch", lambda: dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.ones(2), 1 - rank)])),
     ]:
-        try:
-            call()
-            seen["torch alone"][kind] = "no error"
-        except RuntimeError as error:
-            seen["torch alone"][kind] = str(error)
+        seen["torch alone"][kind] = error_of(call)
     npu = f"npu:{rank}"
     differences = []
     for dtype in (torch.float32, torch.int64):
@@ -196,22 +187,9 @@ def _failures_leave_tensors_unchanged(rank, world_size):
             [comm.P2POp(comm.irecv if rank else comm.isend, t if rank else torch.ones(4), peer, group)])],
     }
     for name, call in calls.items():
-        for mode in ("raise", "fail_wait"):
+        for mode in FAILURE_MODES:
             tensor = torch.full((4,), 5.0)
-            PLAN.clear()
-            (PLAN.raise_on if mode == "raise" else PLAN.fail_wait_on).add(PLAN.calls + 1)
-            try:
-                call(tensor)
-                problems.append(f"{name} {mode}: no error")
-            except RuntimeError as error:
-                if INJECTED not in str(error):
-                    problems.append(f"{name} {mode}: unexpected error {error!r}")
-                elif "comm staged" not in "".join(getattr(error, "__notes__", [])):
-                    problems.append(f"{name} {mode}: no note of what was staged")
-            if not torch.equal(tensor, torch.full((4,), 5.0)):
-                problems.append(f"{name} {mode}: the caller's tensor changed")
-            PLAN.clear()
-            dist.barrier(group=group)
+            problems += failure_problems(name, functools.partial(call, tensor), [tensor], group, mode)
     received = torch.zeros(2)
     if rank:
         comm.recv(received, peer, group)
