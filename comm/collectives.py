@@ -14,7 +14,6 @@ all-to-all) are in :mod:`comm.exchange`.
 
 from __future__ import annotations
 
-import types
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -23,7 +22,7 @@ from torch.distributed import ReduceOp
 
 from comm.arguments import check_root, check_sizes, check_tensor, check_tensor_list, device_type, given
 from comm.backend import _GroupInfo
-from comm.fastpath import fast_group, fast_list, known_group, served, slow_path
+from comm.fastpath import fast_group, fast_list, known_group, namespace, served, slow_path
 from comm.observability import call_counter
 from comm.staging import Staging, emulates_avg
 
@@ -45,14 +44,15 @@ __all__ = [
 # cannot make the wrappers call themselves. For one flat buffer comm calls whichever
 # name this torch does not deprecate: torch >= 2.12 deprecates the *_tensor names in
 # favour of *_single.
-_TORCH = types.SimpleNamespace(
+_TORCH = namespace("comm.collectives._TORCH", dict(
     all_reduce=dist.all_reduce, broadcast=dist.broadcast, reduce=dist.reduce, all_gather=dist.all_gather,
     reduce_scatter=dist.reduce_scatter, barrier=dist.barrier,
     all_gather_into_tensor=getattr(dist, "all_gather_single", dist.all_gather_into_tensor),
     reduce_scatter_tensor=getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor),
-)
+))
 # One call counter per collective: counting is a single C call on the fast path.
-_COUNT = types.SimpleNamespace(**{name: call_counter(name) for name in __all__ if not name.endswith("_single")})
+_COUNT = namespace("comm.collectives._COUNT",
+                   {name: call_counter(name) for name in __all__ if not name.endswith("_single")})
 
 Work = Any  # torch's work object, or comm's DeferredWork
 _SUM, _AVG = ReduceOp.SUM, ReduceOp.AVG

@@ -7,7 +7,6 @@ signatures and return values.
 
 from __future__ import annotations
 
-import types
 from typing import Any, List, Optional
 
 import torch
@@ -15,7 +14,7 @@ import torch.distributed as dist
 
 from comm.arguments import check_root, check_tensor, check_tensor_list
 from comm.backend import _GroupInfo
-from comm.fastpath import fast_group, fast_list, known_group, served, slow_path
+from comm.fastpath import fast_group, fast_list, known_group, namespace, served, slow_path
 from comm.observability import call_counter
 from comm.staging import Staging
 
@@ -23,8 +22,8 @@ __all__ = ["all_to_all", "all_to_all_single", "gather", "scatter"]
 
 # torch's own functions, captured at import so that comm.patch() cannot make the
 # wrappers call themselves.
-_TORCH = types.SimpleNamespace(**{name: getattr(dist, name) for name in __all__})
-_COUNT = types.SimpleNamespace(**{name: call_counter(name) for name in __all__})
+_TORCH = namespace("comm.exchange._TORCH", {name: getattr(dist, name) for name in __all__})
+_COUNT = namespace("comm.exchange._COUNT", {name: call_counter(name) for name in __all__})
 
 Work = Any  # torch's work object, or comm's DeferredWork
 

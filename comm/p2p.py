@@ -10,7 +10,6 @@ and the reverse, both work.
 from __future__ import annotations
 
 import contextlib
-import types
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -19,7 +18,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from comm.arguments import check_peer, check_tensor, given
 from comm.backend import _GroupInfo, _resolve_group
-from comm.fastpath import fast_group, fast_tensor, served, slow_path
+from comm.fastpath import fast_group, fast_tensor, namespace, served, slow_path
 from comm.observability import call_counter, count_staging
 from comm.staging import Staging
 from comm.work import DeferredWork, attribute_work
@@ -28,11 +27,11 @@ __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 # torch's own functions, captured at import so that comm.patch() cannot make the
 # wrappers call themselves.
-_TORCH = types.SimpleNamespace(**{name: getattr(dist, name) for name in __all__ if name != "P2POp"})
+_TORCH = namespace("comm.p2p._TORCH", {name: getattr(dist, name) for name in __all__ if name != "P2POp"})
 # torch's isend and irecv themselves, which a P2POp's op is compared with: while
 # comm.profile() runs, _TORCH holds timing wrappers of them.
 _TORCH_ISEND, _TORCH_IRECV = dist.isend, dist.irecv
-_COUNT = types.SimpleNamespace(**{name: call_counter(name) for name in __all__ if name != "P2POp"})
+_COUNT = namespace("comm.p2p._COUNT", {name: call_counter(name) for name in __all__ if name != "P2POp"})
 
 Work = Any  # torch's work object, or comm's DeferredWork
 
