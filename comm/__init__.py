@@ -11,7 +11,7 @@ counters (:mod:`comm.observability`), the profiler (:mod:`comm.profiler`) and th
 
 from comm import compile as _compile
 from comm._jupyter import JupyterCommWarning, warn_if_beside_jupyter
-from comm.arguments import env_switch
+from comm.arguments import env_switch as _env_switch
 from comm.backend import default_backend, device_types, init_process_group
 from comm.collectives import (
     all_gather,
@@ -87,7 +87,7 @@ __all__ = [
 
 def _patch_if_asked() -> None:
     """``COMM_PATCH=1`` in the environment patches torch at ``import comm``."""
-    if env_switch("COMM_PATCH", "1 or 0 (true/false, yes/no, on/off)") == "on":
+    if _env_switch("COMM_PATCH", "1 or 0 (true/false, yes/no, on/off)") == "on":
         patch()
 
 

@@ -193,7 +193,7 @@ class Staging:
                 self._divided.append(tensor)
             return tensor
         buffer = self._copy_in(tensor) if reads else torch.empty(tensor.shape, dtype=tensor.dtype, device=self.target)
-        self._write_back_later(buffer, [tensor], None, moves=True)  # back onto the tensor's own device
+        self._write_back_later(buffer, [tensor], None, moved_to=tensor)  # back onto the tensor's own device
         return buffer
 
     def receive_all(self, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -203,7 +203,8 @@ class Staging:
                 self._divided.extend(tensors)
             return tensors
         flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=self.target)
-        self._write_back_later(flat, tensors, None, moves=True)
+        unserved = next(t for t in tensors if device_type(t) not in self._info.device_types)
+        self._write_back_later(flat, tensors, None, moved_to=unserved)
         return _pieces(flat, tensors)
 
     def receive_joined(self, tensors: List[torch.Tensor]) -> torch.Tensor:
@@ -217,7 +218,7 @@ class Staging:
             return self.receive(single, reads=True)  # itself where served, else a copy of its shape
         served_here = device_type(single) in self._info.device_types
         flat = self._flat_copy(tensors, single.device if served_here else self.target)
-        self._write_back_later(flat, tensors, None, moves=not served_here)
+        self._write_back_later(flat, tensors, None, moved_to=None if served_here else single)
         return flat
 
     def receive_flat(self, tensors: List[torch.Tensor], starts: Optional[List[int]], numel: int, dtype: torch.dtype,
@@ -227,7 +228,7 @@ class Staging:
         ``starts`` None: the pieces are packed back to back.
         """
         flat = torch.empty(numel, dtype=dtype, device=device)
-        self._write_back_later(flat, tensors, starts, moves=device != tensors[0].device)
+        self._write_back_later(flat, tensors, starts, moved_to=tensors[0] if flat.device != tensors[0].device else None)
         return flat
 
     def issue(self, work: Any) -> None:
@@ -259,11 +260,15 @@ class Staging:
                                  self._divided, self._divisor)
 
     def _write_back_later(self, buffer: torch.Tensor, targets: List[torch.Tensor], starts: Optional[List[int]],
-                          moves: bool) -> None:
-        """Plan writing ``buffer`` back into ``targets`` once the collective succeeded; count it where it ``moves``."""
+                          moved_to: Optional[torch.Tensor]) -> None:
+        """Plan writing ``buffer`` back into ``targets`` once the collective succeeded.
+
+        ``moved_to``: a target on another device than ``buffer``, which names the
+        move's destination (None: nothing moves).
+        """
         self._restores.append((buffer, targets, starts))
-        if moves:
-            self._moved(targets, buffer, targets[0])
+        if moved_to is not None:
+            self._moved(targets, buffer, moved_to)
 
     def _flat_copy(self, tensors: List[torch.Tensor], device: Optional[torch.device] = None) -> torch.Tensor:
         """One flat copy of ``tensors`` (one device) on ``device`` (the target): joined, then one transfer."""

@@ -21,11 +21,15 @@ FLOATS = 1024
 WAIT_LATE = 0.5  # seconds rank 0 waits before calling wait() on an async all_reduce
 
 
+# What comm calls torch through, as imported: torch's own functions, each under its wrapper's name.
+_TORCHS_OWN = {(module, name): function for module in (collectives, exchange, p2p)
+               for name, function in vars(module._TORCH).items() if not name.startswith("__")}
+
+
 def _torch_entries():
-    """Whether every entry comm calls torch through is torch's own function (profiling off), not a timing wrapper."""
-    return all(getattr(dist, function.__name__) is function
-               for module in (collectives, exchange, p2p)
-               for name, function in vars(module._TORCH).items() if not name.startswith("__"))
+    """Whether every entry comm calls torch through is torch's own function again (profiling off)."""
+    return all(getattr(module._TORCH, name) is function for (module, name), function in _TORCHS_OWN.items()) and all(
+        getattr(dist, function.__name__) is function for function in _TORCHS_OWN.values())
 
 
 def _acceptance(rank, world_size):
