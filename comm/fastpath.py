@@ -138,8 +138,9 @@ def namespace(name: str, entries: Dict[str, Any]) -> types.ModuleType:
 
     A module object, because Python specializes attribute reads on modules: with
     the cold caches of a real loop, where the process slept on the previous
-    collective, that saves about 0.5 us per call over a SimpleNamespace
-    (benchmarks/overhead.py, part 3). Its ``__dict__`` also holds a module's
+    collective, that saved 0.24 to 0.64 us per call over a SimpleNamespace (timed
+    by hand in the one-rank loop of benchmarks/overhead.py, part 3). Its
+    ``__dict__`` also holds a module's
     ``__name__``, ``__doc__`` and the like.
     """
     holder = types.ModuleType(name)
