@@ -140,8 +140,7 @@ def namespace(name: str, entries: Dict[str, Any]) -> types.ModuleType:
     the cold caches of a real loop, where the process slept on the previous
     collective, that saved 0.24 to 0.64 us per call over a SimpleNamespace (timed
     by hand in the one-rank loop of benchmarks/overhead.py, part 3). Its
-    ``__dict__`` also holds a module's
-    ``__name__``, ``__doc__`` and the like.
+    ``__dict__`` also holds a module's ``__name__``, ``__doc__`` and the like.
     """
     holder = types.ModuleType(name)
     holder.__dict__.update(entries)
