@@ -214,9 +214,9 @@ class Staging:
         served contiguous tensor is used as it is.
         """
         single = tensors[0]
-        if len(tensors) == 1 and (single.is_contiguous() or device_type(single) not in self._info.device_types):
-            return self.receive(single, reads=True)  # itself where served, else a copy of its shape
         served_here = device_type(single) in self._info.device_types
+        if len(tensors) == 1 and (single.is_contiguous() or not served_here):
+            return self.receive(single, reads=True)  # itself where served, else a copy of its shape
         flat = self._flat_copy(tensors, single.device if served_here else self.target)
         self._write_back_later(flat, tensors, None, moved_to=None if served_here else single)
         return flat
