@@ -39,6 +39,7 @@ import torch.distributed as dist
 import comm
 import comm.testing
 from comm.fastpath import namespace
+from comm.patch import _WRAPPERS as PATCHED
 
 from _harness import Call, rotate, run_ranks
 
@@ -66,12 +67,9 @@ def _forwarder(function: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
-# torch's calls, each behind a forwarding wrapper (a P2POp must still name torch's isend/irecv), read from
-# the same kind of namespace (a module) as torch's and comm's.
-FORWARDED = namespace("FORWARDED", {name: _forwarder(getattr(dist, name)) for name in (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-    "reduce_scatter", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend",
-    "irecv", "batch_isend_irecv", "all_gather_single", "reduce_scatter_single") if hasattr(dist, name)})
+# torch's calls, each behind a forwarding wrapper (a P2POp must still name torch's isend/irecv): every call
+# comm.patch() replaces, read from the same kind of namespace (a module) as torch's and comm's.
+FORWARDED = namespace("FORWARDED", {name: _forwarder(getattr(dist, name)) for name in PATCHED})
 
 
 def _calls(module: Any, rank: int, numel: int) -> Dict[str, Call]:
