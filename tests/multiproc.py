@@ -190,13 +190,13 @@ def skip_unless_simulation() -> None:
     builds (pytest-xdist workers) wait for each other.
     """
     global _SIMULATION_BUILT
-    from comm.testing import _native
+    from comm._native import SIMULATED
 
-    reason = _native.unavailable_reason()
+    reason = SIMULATED.unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    if not _SIMULATION_BUILT and not _native.is_built():
-        subprocess.run([sys.executable, "-c", "from comm.testing import _native; _native.load()"], check=True)
+    if not _SIMULATION_BUILT and not SIMULATED.is_built():
+        subprocess.run([sys.executable, "-c", "from comm._native import SIMULATED; SIMULATED.load()"], check=True)
     _SIMULATION_BUILT = True
 
 

@@ -35,7 +35,8 @@ from typing import Any, FrozenSet, Iterable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from comm.testing import _device, _native, _process_group
+from comm._native import SIMULATED
+from comm.testing import _device, _process_group
 from comm.testing._device import counters, reset_counters
 
 __all__ = ["can_simulate", "counters", "offloaded", "reset_counters", "simulate_accelerator", "simulated_accelerator"]
@@ -52,7 +53,7 @@ def can_simulate() -> bool:
     :func:`simulate_accelerator` raises ``RuntimeError`` saying which, and test
     suites can skip what needs it.
     """
-    return _native.unavailable_reason() is None
+    return SIMULATED.unavailable_reason() is None
 
 
 def simulate_accelerator(

@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch.utils.backend_registration import generate_methods_for_privateuse1_backend, rename_privateuse1_backend
 
-from comm.testing import _native
+from comm._native import SIMULATED
 
 _NAME: Optional[str] = None
 
@@ -23,7 +23,7 @@ _NAME: Optional[str] = None
 def _core() -> Any:
     if _NAME is None:
         raise RuntimeError("the simulated accelerator is not set up; call comm.testing.simulate_accelerator()")
-    return _native.load()
+    return SIMULATED.load()
 
 
 def counters() -> Dict[str, int]:
@@ -39,7 +39,7 @@ def reset_counters() -> None:
 def install_device(name: str, device_count: int) -> None:
     """Load the C++ device, rename PrivateUse1 to ``name`` and install ``torch.<name>``."""
     global _NAME
-    core = _native.load()
+    core = SIMULATED.load()
     rename_privateuse1_backend(name)
     core.install(device_count)
     core.run_on_host_for(_structured_operators())

@@ -17,7 +17,7 @@ from typing import Any, FrozenSet
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
-from comm.testing import _native
+from comm._native import SIMULATED
 
 
 def create_backend(
@@ -31,7 +31,7 @@ def create_backend(
     """A simulated backend for one group: gloo underneath, ``backend_name`` on top."""
     host = dist.ProcessGroupGloo(store, rank, size, timeout)
     refused = {int(op.value): op.name for op in unsupported_ops}
-    return _native.load().make_backend(host, backend_name, refused)
+    return SIMULATED.load().make_backend(host, backend_name, refused)
 
 
 def register_backend(

@@ -1,0 +1,133 @@
+"""Build, once per machine, and load comm's C++ extensions.
+
+comm has two: the staging backend (``comm/csrc``, see :mod:`comm.slot`) and the
+simulated accelerator's core (``comm/testing/csrc``). Each is compiled on first use
+with ``torch.utils.cpp_extension`` into a cache folder named for a hash of its
+sources, this torch and this Python, so a changed source or another torch gets a
+build of its own and every later process just imports it. The folder is under
+``$TORCH_EXTENSIONS_DIR`` when set, else under the user's cache (``$XDG_CACHE_HOME``
+or ``~/.cache``). Concurrent first builds (pytest workers, rank processes) wait for
+each other on torch's lock in that folder. ``python -m comm.build`` builds both
+ahead of time, so that the ranks of a job do not each compile at first use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+# The C++ is written against torch 2.13's headers; older releases lack parts of the
+# PrivateUse1 and c10d interfaces it implements.
+OLDEST_TORCH = (2, 13)
+
+
+class Extension:
+    """One C++ extension: its sources, and the build of them this process loaded."""
+
+    def __init__(self, name: str, csrc: Path, sources: Sequence[str], headers: Sequence[str], what: str) -> None:
+        self.name, self.csrc, self.sources, self.headers, self.what = name, csrc, tuple(sources), tuple(headers), what
+        self._lock = threading.Lock()
+        self._module: Optional[ModuleType] = None
+
+    def unavailable_reason(self) -> Optional[str]:
+        """Why this process cannot build or load the extension, or None when it can."""
+        version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+        if version < OLDEST_TORCH:
+            return f"{self.what} needs torch >= 2.13; this is torch {torch.__version__}"
+        if not torch.distributed.is_available():
+            return "this torch is built without torch.distributed"
+        if self.is_built():
+            return None  # what follows is needed to build it
+        from torch.utils import cpp_extension
+
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            return f"no C++ compiler to build {self.what}: {compiler!r} is not on PATH (set CXX)"
+        if not cpp_extension.is_ninja_available():
+            return f"torch.utils.cpp_extension needs ninja to build {self.what}; it is not on PATH (pip install ninja)"
+        if not (Path(cpp_extension.include_paths()[0]) / "torch" / "extension.h").exists():
+            return f"this torch ships no C++ headers (torch/include) to build {self.what} against"
+        return None
+
+    def load(self) -> ModuleType:
+        """The compiled extension, built first if this machine has no build of these sources yet."""
+        with self._lock:
+            if self._module is None:
+                reason = self.unavailable_reason()
+                if reason is not None:
+                    raise RuntimeError(reason)
+                self._module = self._import_or_build()
+            return self._module
+
+    def is_built(self) -> bool:
+        """Whether this machine has a finished build of these sources for this torch."""
+        directory, library = self._build_paths()
+        return library.exists() and not (directory / "lock").exists()
+
+    def _build_paths(self) -> Tuple[Path, Path]:
+        name = f"{self.name}_{self._fingerprint()}"
+        directory = _cache_root() / name
+        return directory, directory / f"{name}.so"
+
+    def _import_or_build(self) -> ModuleType:
+        directory, library = self._build_paths()
+        if self.is_built():
+            spec = importlib.util.spec_from_file_location(library.stem, library)
+            if spec is None or spec.loader is None:
+                raise RuntimeError(f"cannot import the build of {self.what} at {library}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        from torch.utils import cpp_extension
+
+        directory.mkdir(parents=True, exist_ok=True)
+        built: ModuleType = cpp_extension.load(
+            library.stem,
+            [str(self.csrc / source) for source in self.sources],
+            extra_cflags=["-O2"],
+            extra_include_paths=[str(self.csrc)],
+            build_directory=str(directory),
+            verbose=False,
+        )
+        return built
+
+    def _fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for source in self.sources + self.headers:
+            digest.update((self.csrc / source).read_bytes())
+        digest.update(f"{torch.__version__} {sys.version} {platform.machine()}".encode())
+        return digest.hexdigest()[:16]
+
+
+def _cache_root() -> Path:
+    configured = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if configured:
+        return Path(configured)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "comm"
+
+
+STAGING = Extension(
+    "comm_staging",
+    Path(__file__).with_name("csrc"),
+    ("staging_backend.cpp", "staged_work.cpp", "module.cpp"),
+    ("staging.h",),
+    "comm's staging backend",
+)
+SIMULATED = Extension(
+    "comm_simulated",
+    Path(__file__).parent / "testing" / "csrc",
+    ("device.cpp", "backend.cpp"),
+    ("simulated.h",),
+    "the simulated accelerator's C++ core",
+)

@@ -1,0 +1,35 @@
+// The Python face of comm's native part: make a staging backend, read its counters.
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "staging.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace comm_native;
+  m.def(
+      "staging_backend",
+      [](int rank, int size, c10::Device target, CommunicatorFactory factory) -> BackendPtr {
+        return c10::make_intrusive<StagingBackend>(rank, size, target, std::move(factory));
+      },
+      pybind11::arg("rank"), pybind11::arg("size"), pybind11::arg("target"), pybind11::arg("communicator"),
+      "A c10d Backend that stages each call onto `target` and runs it on the backend `communicator()` makes.");
+  m.def("staging_target", [](const BackendPtr& backend) -> std::optional<c10::Device> {
+    auto* staging = dynamic_cast<StagingBackend*>(backend.get());
+    if (staging == nullptr) return std::nullopt;
+    return staging->target();
+  });
+  m.def("counters", []() {
+    auto& c = counters();
+    return std::map<std::string, int64_t>{
+        {"calls", c.calls.load()}, {"transfers", c.transfers.load()}, {"bytes", c.bytes.load()},
+        {"emulated", c.emulated.load()}};
+  });
+  m.def("reset_counters", []() {
+    auto& c = counters();
+    c.calls = 0;
+    c.transfers = 0;
+    c.bytes = 0;
+    c.emulated = 0;
+  });
+}

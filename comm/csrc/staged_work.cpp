@@ -1,0 +1,124 @@
+// The work of a staged call, and the write-back that completes it.
+#include <ATen/core/ivalue.h>
+
+#include "staging.h"
+
+namespace comm_native {
+
+Counters& counters() {
+  static Counters instance;
+  return instance;
+}
+
+void WriteBack::write() {
+  std::call_once(once_, [this] {
+    for (size_t i = 0; i < callers_.size(); ++i) {
+      if (divisor_ != 1) staged_[i].div_(divisor_);
+      callers_[i].copy_(staged_[i]);
+      counters().transfers += 1;
+      counters().bytes += static_cast<int64_t>(staged_[i].nbytes());
+    }
+    staged_.clear(); // the copies are not needed once written
+    written_ = true;
+  });
+}
+
+void rethrowStaged(const WriteBack& back) {
+  try {
+    throw;
+  } catch (c10::Error& error) {
+    error.add_context(back.what());
+    throw;
+  } catch (const std::exception& error) {
+    TORCH_CHECK(false, error.what(), "\n", back.what());
+  }
+}
+
+StagedWork::StagedWork(std::vector<WorkPtr> inner, std::vector<std::shared_ptr<WriteBack>> backs, c10d::OpType type)
+    : Work(-1, type), inner_(std::move(inner)), backs_(std::move(backs)) {}
+
+void StagedWork::writeAll() {
+  for (auto& back : backs_) back->write();
+}
+
+bool StagedWork::isCompleted() {
+  for (auto& work : inner_) {
+    if (!work->isCompleted()) return false;
+  }
+  if (isSuccess()) writeAll();
+  return true;
+}
+
+bool StagedWork::isSuccess() const {
+  for (const auto& work : inner_) {
+    if (!work->isSuccess()) return false;
+  }
+  return true;
+}
+
+std::exception_ptr StagedWork::exception() const {
+  for (const auto& work : inner_) {
+    if (auto error = work->exception()) return error;
+  }
+  return nullptr;
+}
+
+int StagedWork::sourceRank() const {
+  TORCH_CHECK(inner_.size() == 1, "sourceRank() needs the work of one receive");
+  return inner_.front()->sourceRank();
+}
+
+Tensors StagedWork::result() {
+  Tensors all;
+  for (const auto& back : backs_) all.insert(all.end(), back->callers().begin(), back->callers().end());
+  return all;
+}
+
+void StagedWork::synchronize() {
+  for (auto& work : inner_) work->synchronize();
+}
+
+bool StagedWork::wait(std::chrono::milliseconds timeout) {
+  for (size_t i = 0; i < inner_.size(); ++i) {
+    try {
+      inner_[i]->wait(timeout);
+    } catch (...) {
+      rethrowStaged(*backs_.at(std::min(i, backs_.size() - 1)));
+    }
+  }
+  writeAll();
+  return true;
+}
+
+void StagedWork::abort() {
+  for (auto& work : inner_) work->abort();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> StagedWork::getFuture() {
+  auto type = c10::ListType::create(c10::TensorType::get());
+  c10::intrusive_ptr<c10::ivalue::Future> done;
+  if (inner_.size() == 1) {
+    done = inner_.front()->getFuture();
+  } else {
+    c10::List<c10::intrusive_ptr<c10::ivalue::Future>> futures(c10::FutureType::create(c10::AnyType::get()));
+    for (auto& work : inner_) futures.push_back(work->getFuture());
+    done = c10::collectAll(futures);
+  }
+  return done->then(
+      [backs = backs_](c10::ivalue::Future& finished) {
+        try {
+          finished.value(); // rethrows the collective's error into the returned future
+        } catch (...) {
+          rethrowStaged(*backs.front());
+        }
+        Tensors callers;
+        for (const auto& back : backs) {
+          back->write();
+          callers.insert(callers.end(), back->callers().begin(), back->callers().end());
+        }
+        return c10::IValue(callers);
+      },
+      type);
+}
+
+} // namespace comm_native

@@ -1,0 +1,188 @@
+"""Staging where torch routes by device: comm's backend in the slots a group leaves empty.
+
+A ``ProcessGroup`` holds one backend per device type and hands every call to the
+backend of its tensors' device, whoever makes the call: ``torch.distributed``'s
+functions, the functional collectives (DTensor, ``torch.compile``), DDP's C++
+reducer, the coalescing manager, object collectives, DCP. :func:`equip` registers
+comm's staging backend (C++, ``comm/csrc``) for each device type the group's own
+backend does not serve: the CPU on an nccl, hccl or xccl group, this process's
+accelerator on a gloo group. Calls on served devices never meet comm.
+
+The staging backend runs its calls on a communicator of its own, made at its first
+staged call by the same backend as the group's (gloo, nccl, or the plugin's creator)
+over the group's store under a prefix of its own. Staged calls, which may come from
+another thread (``dcp.async_save`` saves from one), then never interleave with the
+training thread's calls on the group's own communicator; torch's ``"cpu:gloo,
+cuda:nccl"`` groups keep the two apart the same way.
+
+Each slot is keyed by a ``BackendType`` label: ``CUSTOM`` on groups of torch's own
+backends, and, on groups whose backend is itself ``CUSTOM`` (a plugin such as hccl),
+the first of ``MPI`` and ``UCC`` the group does not use (c10d would otherwise hand
+the slot to the plugin's backend). The label only names the slot: c10d routes by
+device type. ``get_backend`` and ``get_backend_config`` keep reporting what the
+group was created with; ``group._device_types`` lists the staged types too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from typing import Any, Callable, Dict, FrozenSet, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from comm._native import STAGING
+
+__all__ = ["equip", "staged_types", "unavailable_reason"]
+
+_LOG = logging.getLogger("comm")
+_LOCK = threading.Lock()
+_TYPE = dist.ProcessGroup.BackendType
+# The slot labels comm can take, in order of preference (see the module docstring).
+_LABELS = (_TYPE.CUSTOM, _TYPE.MPI, _TYPE.UCC)
+_BUILTIN_TYPES = {"gloo": _TYPE.GLOO, "nccl": _TYPE.NCCL, "xccl": _TYPE.XCCL, "ucc": _TYPE.UCC, "mpi": _TYPE.MPI}
+_STORE_PREFIX = "comm-staging"
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why this process cannot stage in c10d (no compiler, an old torch), or None."""
+    return STAGING.unavailable_reason()
+
+
+def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
+    """Give ``group`` (the default group by default) comm's backend for the device types it lacks.
+
+    Returns the device types comm stages for on this group: the CPU where the
+    group's backend serves only an accelerator, this process's accelerator where it
+    serves only the CPU (gloo); empty where it serves both, or serves neither the
+    CPU nor any device of this process. Idempotent; call it on every rank of the
+    group (the communicator comm makes later is a collective of the group's ranks).
+    """
+    pg = _resolve(group)
+    with _LOCK:
+        served = _registered_types(pg)
+        missing = _missing_types(served)
+        if not missing:
+            return staged_types(pg)
+        target = _target(pg, served)
+        native = STAGING.load()
+        label = _free_label(pg)
+        name = pg.group_name  # c10d reads the name from the first backend by device type: put it back after
+        for device_type in missing:
+            backend = native.staging_backend(pg.rank(), pg.size(), target, _communicator_factory(pg, target))
+            pg._register_backend(torch.device(device_type), label, backend)
+        pg._set_group_name(name)
+        _LOG.info("comm stages %s on group %r onto %s", ", ".join(missing), name, target)
+        return staged_types(pg)
+
+
+def staged_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
+    """The device types comm's backend serves on ``group``."""
+    pg = _resolve(group)
+    native = STAGING.load() if STAGING.is_built() else None
+    if native is None:
+        return frozenset()
+    return frozenset(d.type for d in pg._device_types if native.staging_target(pg._get_backend(d)) is not None)
+
+
+def _resolve(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    pg = group if group is not None else c10d._get_default_group()
+    if not isinstance(pg, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(pg).__name__}")
+    return pg
+
+
+def _registered_types(pg: dist.ProcessGroup) -> FrozenSet[str]:
+    return frozenset(d.type for d in pg._device_types)
+
+
+def _missing_types(served: FrozenSet[str]) -> List[str]:
+    """The device types this process computes on that ``served`` lacks, where one of them can stand in."""
+    from comm.device import accelerator_type
+
+    here = ["cpu"]
+    accelerator = accelerator_type()
+    if accelerator != "cpu":
+        here.append(accelerator)
+    if not any(kind in served for kind in here):
+        return []  # nothing of this process's to stage onto
+    return [kind for kind in here if kind not in served]
+
+
+def _target(pg: dist.ProcessGroup, served: FrozenSet[str]) -> torch.device:
+    """Where staged calls run: the group's bound device, else this process's accelerator if served, else the CPU.
+
+    A device without an index means the calling thread's current device of that type.
+    """
+    from comm.device import accelerator_type
+
+    bound = getattr(pg, "bound_device_id", None)
+    if bound is not None and bound.type in served:
+        return torch.device(bound)
+    accelerator = accelerator_type()
+    return torch.device(accelerator if accelerator in served else "cpu")
+
+
+def _free_label(pg: dist.ProcessGroup) -> Any:
+    used = {_BUILTIN_TYPES.get(name, _TYPE.CUSTOM) for name in _backend_names(pg).values()}
+    for label in _LABELS:
+        if label not in used:
+            return label
+    raise RuntimeError(f"process group {pg.group_name!r} uses every backend label comm could take: {sorted(used)}")
+
+
+def _backend_names(pg: dist.ProcessGroup) -> Dict[str, str]:
+    """Device type -> the name of the backend the group was created with for it."""
+    from comm.backend import _backend_config, _backends_by_device
+
+    return _backends_by_device(_backend_config(pg))
+
+
+def _communicator_factory(pg: dist.ProcessGroup, target: torch.device) -> Callable[[], Any]:
+    """A function that makes the staging communicator: a new backend like the group's for ``target``.
+
+    It captures the store, ranks and creator, not the group (which holds the
+    staging backend, which holds this function).
+    """
+    name = _backend_names(pg).get(target.type) or c10d.get_backend(pg)
+    store = dist.PrefixStore(_STORE_PREFIX, c10d._world.pg_map[pg][1])
+    rank, size = pg.rank(), pg.size()
+    ranks = dist.get_process_group_ranks(pg)
+    timeout = _timeout(pg, target)
+    group_name = f"{pg.group_name}:{_STORE_PREFIX}"
+
+    def make() -> Any:
+        return _new_backend(name, store, rank, size, timeout, ranks, group_name, target)
+
+    return make
+
+
+def _timeout(pg: dist.ProcessGroup, target: torch.device) -> datetime.timedelta:
+    options = getattr(pg._get_backend(target), "options", None)
+    timeout = getattr(options, "_timeout", None)
+    return timeout if isinstance(timeout, datetime.timedelta) else c10d.default_pg_timeout
+
+
+def _new_backend(name: str, store: Any, rank: int, size: int, timeout: datetime.timedelta, ranks: List[int],
+                 group_name: str, target: torch.device) -> Any:
+    """A backend of kind ``name`` for these ranks, made as c10d makes a group's."""
+    if name == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if name == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    if name == "xccl":
+        return dist.ProcessGroupXCCL(store, rank, size)  # type: ignore[attr-defined]
+    plugin = dist.Backend._plugins.get(name.upper())
+    if plugin is None:
+        raise RuntimeError(f"comm cannot make a staging communicator for backend {name!r}")
+    if not plugin.extended_api:
+        return plugin.creator_fn(store, rank, size, timeout)
+    options = c10d._DistributedBackendOptions()
+    options.store, options.group_rank, options.group_size = store, rank, size
+    options.timeout, options.group_id, options.global_ranks_in_group = timeout, group_name, ranks
+    return plugin.creator_fn(options, None)
