@@ -1,43 +1,53 @@
 """comm: torch.distributed collectives that run on whatever accelerator a job has.
 
 How this process was launched (:mod:`comm.launch`), device binding
-(:mod:`comm.device`), backend resolution (:mod:`comm.backend`), staging of tensors
-onto a device the group's backend serves (:mod:`comm.staging`), the collectives
-(:mod:`comm.collectives`, :mod:`comm.exchange`) and point-to-point calls
-(:mod:`comm.p2p`) with their fast path (:mod:`comm.fastpath`), gradient norms (:mod:`comm.norm`),
-counters (:mod:`comm.observability`), the profiler (:mod:`comm.profiler`) and the drop-in mode
-(:mod:`comm.patch`).
+(:mod:`comm.device`), backend resolution (:mod:`comm.backend`), staging where
+torch routes by device (:mod:`comm.slot`, with its C++ backend in ``comm/csrc``,
+built by :mod:`comm._native`), the explicit collectives (:mod:`comm.collectives`,
+with what they add in :mod:`comm.gaps` and :mod:`comm.fallback`), gradient norms
+(:mod:`comm.norm`), staging figures (:mod:`comm.observability`), the profiler
+(:mod:`comm.profiler`) and the drop-in mode (:mod:`comm.patch`).
 """
 
-from comm import compile as _compile
+import logging as _logging
+
+from comm._env import env_switch as _env_switch
 from comm._jupyter import JupyterCommWarning, warn_if_beside_jupyter
-from comm.arguments import env_switch as _env_switch
 from comm.backend import default_backend, device_types, init_process_group
 from comm.collectives import (
+    P2POp,
     all_gather,
+    all_gather_coalesced,
     all_gather_into_tensor,
     all_gather_single,
     all_reduce,
     all_reduce_coalesced,
+    all_to_all,
+    all_to_all_single,
     barrier,
+    batch_isend_irecv,
     broadcast,
+    gather,
+    irecv,
+    isend,
+    recv,
     reduce,
     reduce_scatter,
     reduce_scatter_single,
     reduce_scatter_tensor,
+    scatter,
+    send,
 )
 from comm.device import accelerator_type, bind, current_device, empty_cache
-from comm.exchange import all_to_all, all_to_all_single, gather, scatter
 from comm.launch import LaunchInfo, launch_info
 from comm.norm import clip_grad_norm_, total_norm
 from comm.observability import reset_stats, stats
-from comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from comm.patch import is_patched, patch, patched, unpatch
 from comm.profiler import Profile, profile, profile_if_asked
-from comm.staging import staging_device
+from comm.slot import equip, staged_types, staging_device, unavailable_reason
 
 # The one place the version is written: setup.cfg reads it (version = attr: comm.__version__).
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "JupyterCommWarning",
@@ -46,6 +56,7 @@ __all__ = [
     "Profile",
     "accelerator_type",
     "all_gather",
+    "all_gather_coalesced",
     "all_gather_into_tensor",
     "all_gather_single",
     "all_reduce",
@@ -61,11 +72,12 @@ __all__ = [
     "default_backend",
     "device_types",
     "empty_cache",
+    "equip",
     "gather",
     "init_process_group",
     "irecv",
-    "isend",
     "is_patched",
+    "isend",
     "launch_info",
     "patch",
     "patched",
@@ -78,11 +90,20 @@ __all__ = [
     "reset_stats",
     "scatter",
     "send",
+    "staged_types",
     "staging_device",
     "stats",
     "total_norm",
+    "unavailable_reason",
     "unpatch",
 ]
+
+
+def _say_if_staging_is_unavailable() -> None:
+    """One line, at import, where comm's staging backend cannot be built: why, and what to install."""
+    reason = unavailable_reason()
+    if reason is not None:
+        _logging.getLogger("comm").warning("comm cannot stage in c10d: %s; comm's own calls stage in Python", reason)
 
 
 def _patch_if_asked() -> None:
@@ -92,6 +113,6 @@ def _patch_if_asked() -> None:
 
 
 warn_if_beside_jupyter()
-_compile.install()
+_say_if_staging_is_unavailable()
 _patch_if_asked()
 profile_if_asked()

@@ -69,6 +69,10 @@ class Extension:
                 self._module = self._import_or_build()
             return self._module
 
+    def is_loaded(self) -> bool:
+        """Whether this process has loaded the extension (nothing it counts can be non-zero before)."""
+        return self._module is not None
+
     def is_built(self) -> bool:
         """Whether this machine has a finished build of these sources for this torch."""
         directory, library = self._build_paths()

@@ -12,7 +12,7 @@ import functools
 import inspect
 import threading
 import weakref
-from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -113,7 +113,8 @@ def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> torch.de
     Under srun, mpirun or jsrun the rank, world size and rendezvous address come
     from :func:`comm.launch_info`; a single process gets a group of one. What the
     caller passes (``rank``, ``world_size``, ``store``, ``init_method``) wins, and
-    under torchrun torch reads its own variables.
+    under torchrun torch reads its own variables. The group is then equipped with
+    comm's staging backend (:func:`comm.equip`) where it can be built.
     """
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a backend name such as 'nccl' or 'cpu:gloo,cuda:nccl', got {backend!r}")
@@ -134,6 +135,10 @@ def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> torch.de
     ):
         kwargs["device_id"] = device
     dist.init_process_group(backend=backend, **rendezvous, **kwargs)
+    from comm import slot
+
+    if slot.unavailable_reason() is None:
+        slot.equip()
     return device
 
 
@@ -172,38 +177,11 @@ def _accepts_device_id() -> bool:
 def device_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     """The device types ``group`` (the default group by default) can run collectives on.
 
-    Asked of the group's own registered backends first, then of its backend config
-    (``"cpu:gloo,cuda:nccl"``), then of ``Backend.backend_capability``. Cached per
-    group object.
+    Asked of the group's registered backends (comm's staging backend among them,
+    once equipped), else of its backend config (``"cpu:gloo,cuda:nccl"``), else of
+    ``Backend.backend_capability``.
     """
-    return _group_info(_resolve_group(group)).device_types
-
-
-class _GroupInfo(NamedTuple):
-    """What comm needs to know about a group, looked up once."""
-
-    device_types: FrozenSet[str]
-    backends: Dict[str, str]  # device type -> backend name
-    size: int
-    group_ranks: Dict[int, int]  # global rank -> rank in the group
-    rank: int  # this process's rank in the group
-    serves_cpu: bool  # "cpu" in device_types, read by every fast path
-    serves_cuda: bool
-
-
-def _group_info(group: dist.ProcessGroup) -> _GroupInfo:
-    info: Optional[_GroupInfo] = _GROUP_INFO.get(group)
-    if info is None:
-        info = _lookup_group_info(group)
-        _GROUP_INFO.set(group, info)
-    return info
-
-
-def _lookup_group_info(group: dist.ProcessGroup) -> _GroupInfo:
-    backends = _backends_by_device(_backend_config(group))
-    types = _served_types(group, backends)
-    ranks = {rank: index for index, rank in enumerate(dist.get_process_group_ranks(group))}
-    return _GroupInfo(types, backends, group.size(), ranks, group.rank(), "cpu" in types, "cuda" in types)
+    return _served_types(_resolve_group(group))
 
 
 def _served_types(group: dist.ProcessGroup, backends: Optional[Dict[str, str]] = None) -> FrozenSet[str]:
@@ -277,10 +255,9 @@ _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].spl
 
 def _native_avg(group: dist.ProcessGroup, device_type: str, kind: str) -> bool:
     """Whether ``group``'s backend for ``device_type`` does ReduceOp.AVG right for ``kind``."""
-    info = _group_info(group)
-    backend = info.backends.get(device_type, "")
+    backend = _backends_by_device(_backend_config(group)).get(device_type, "")
     if backend == "nccl":
-        return info.size > 1  # NCCL's AVG is wrong at world size 1 (pytorch#144045)
+        return group.size() > 1  # NCCL's AVG is wrong at world size 1 (pytorch#144045)
     if backend not in _NATIVE_AVG_SINCE:
         return True
     since = _NATIVE_AVG_SINCE[backend]
@@ -326,6 +303,3 @@ class _GroupCache:
 
     def __len__(self) -> int:
         return len(self._entries)
-
-
-_GROUP_INFO = _GroupCache()

@@ -1,11 +1,14 @@
-"""Drop-in mode: comm's behaviour for code that calls torch.distributed itself.
+"""Drop-in mode: code that calls torch.distributed itself stages, unchanged.
 
-``comm.patch()`` puts comm's collectives (and ``clip_grad_norm_``) in place of
-torch's own, in every module torch exposes them from, so an existing trainer or a
-library (DeepSpeed, Accelerate, Lightning, torchmetrics) works unchanged when its
-tensors are on a device the group's backend does not serve. For DTensor's
-functional collectives it registers CPU kernels (:mod:`comm.functional`) while a
-group that does not serve the CPU exists; it watches group creation for that.
+``comm.patch()`` equips every process group with comm's staging backend
+(:mod:`comm.slot`): the groups that exist, and each group c10d creates afterwards
+(``init_process_group``, ``new_group``, ``DeviceMesh`` and its subgroups), by
+watching the one function c10d creates groups with; groups split from an equipped
+group (``split_group``) get comm's backend from its split. It replaces none of
+torch's collectives: c10d hands the calls on unserved devices to comm's backend,
+and every other call is torch's alone. Unless told not to, it also puts
+:func:`comm.clip_grad_norm_` in place of torch's (one collective for all the
+gradients, whatever their devices).
 """
 
 from __future__ import annotations
@@ -13,67 +16,52 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
-from comm import collectives, exchange, functional, norm, p2p
+from comm import norm, slot
 
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
 
-_COLLECTIVE_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
-# The modules whose functions stand in for torch.distributed's (also what the
-# profiler times and what torch.compile traces).
-WRAPPER_MODULES = (collectives, exchange, p2p)
-# Every collective and point-to-point call comm wraps that this torch has. P2POp
-# stays torch's: built with the patched isend/irecv it passes torch's own checks.
-_WRAPPERS = {
-    name: getattr(module, name)
-    for module in WRAPPER_MODULES
-    for name in module.__all__
-    if name != "P2POp" and hasattr(dist, name)
-}
+_LOG = logging.getLogger("comm")
 _CLIP_MODULES = ("torch.nn.utils", "torch.nn.utils.clip_grad")
-# Where c10d creates every group: watched while patched, to register comm's functional
-# kernels when a group that does not serve the CPU appears.
-_C10D, _CREATE_GROUP = "torch.distributed.distributed_c10d", "_new_process_group_helper"
-
 _LOCK = threading.RLock()
 # (module name, attribute) -> torch's original object, for each attribute replaced.
 _ORIGINALS: Dict[Tuple[str, str], Any] = {}
-# One stand-in per replaced function, the same object in every module: torch
-# compares functions by identity (P2POp's op against distributed_c10d.isend).
-_STAND_INS: Dict[int, Callable[..., Any]] = {}
 
 
 def patch(clip_grad_norm: bool = True) -> None:
-    """Replace torch's collectives (and, unless told not to, ``clip_grad_norm_``) with comm's.
+    """Equip every process group, now and to come, with comm's staging backend; and replace ``clip_grad_norm_``.
 
-    Idempotent and thread-safe. Code that imported a function by name before the
-    patch (``from torch.distributed import all_reduce``) keeps torch's original.
+    Idempotent and thread-safe. Where comm's backend cannot be built here it says
+    so once and stages nothing (comm's explicit calls still stage in Python).
     """
     if not isinstance(clip_grad_norm, bool):
         raise TypeError(f"clip_grad_norm must be a bool, got {type(clip_grad_norm).__name__}")
     with _LOCK:
         for module_name, name, replacement in _targets(clip_grad_norm):
             _install(module_name, name, replacement)
-        if not hasattr(c10d, _CREATE_GROUP) or any(functional.needed(g) for g in list(c10d._world.pg_map)):
-            functional.register()  # (without the hook to watch, for every group to come as well)
+        reason = slot.unavailable_reason()
+        if reason is not None:
+            _LOG.warning("comm.patch() cannot stage: %s", reason)
+            return
+        for group in slot.existing_groups():
+            slot.equip(group)
 
 
 def unpatch() -> None:
-    """Put back torch's exact original objects and remove comm's kernels. A no-op when nothing is patched."""
+    """Put back torch's exact original objects. Groups already equipped keep comm's backend (c10d cannot drop one)."""
     with _LOCK:
         for (module_name, name), original in list(_ORIGINALS.items()):
             setattr(importlib.import_module(module_name), name, original)
             del _ORIGINALS[(module_name, name)]
-        functional.unregister()
 
 
 def is_patched() -> bool:
-    """Whether any of torch's functions is currently replaced by comm's."""
+    """Whether comm is currently watching group creation (or replacing ``clip_grad_norm_``)."""
     return bool(_ORIGINALS)
 
 
@@ -91,29 +79,28 @@ def patched(clip_grad_norm: bool = True) -> Iterator[None]:
             for key in added & set(_ORIGINALS):  # unpatch() inside the block restored the rest
                 module_name, name = key
                 setattr(importlib.import_module(module_name), name, _ORIGINALS.pop(key))
-            if not _ORIGINALS:
-                functional.unregister()
 
 
 def _targets(clip_grad_norm: bool) -> List[Tuple[str, str, Callable[..., Any]]]:
-    targets = [(m, name, wrapper) for m in _COLLECTIVE_MODULES for name, wrapper in _WRAPPERS.items()]
+    targets: List[Tuple[str, str, Callable[..., Any]]] = []
+    if slot.unavailable_reason() is None:
+        module_name, name = slot.GROUP_CREATION
+        targets.append((module_name, name, _create_group))
     if clip_grad_norm:
         targets += [(m, "clip_grad_norm_", norm.clip_grad_norm_) for m in _CLIP_MODULES]
-    if hasattr(c10d, _CREATE_GROUP):
-        targets.append((_C10D, _CREATE_GROUP, _create_group))
     return targets
 
 
 def _create_group(*args: Any, **kwargs: Any) -> Any:
-    """c10d's own group creation, then comm's functional kernels if the new group needs them.
+    """c10d's own group creation, then comm's backend in the new group's empty slots.
 
     A rank outside the new group gets torch's placeholder (``NON_GROUP_MEMBER``)
-    rather than a group: nothing to look at there.
+    rather than a group: nothing to equip there.
     """
-    created = _ORIGINALS[(_C10D, _CREATE_GROUP)](*args, **kwargs)
+    created = _ORIGINALS[slot.GROUP_CREATION](*args, **kwargs)
     group = created[0]  # (the group, its store)
-    if isinstance(group, dist.ProcessGroup) and functional.needed(group):
-        functional.register()
+    if isinstance(group, dist.ProcessGroup):
+        slot.equip(group)
     return created
 
 
@@ -123,10 +110,7 @@ def _install(module_name: str, name: str, replacement: Callable[..., Any]) -> No
     module = importlib.import_module(module_name)
     original = getattr(module, name)
     _ORIGINALS[(module_name, name)] = original
-    stand_in = _STAND_INS.get(id(original))
-    if stand_in is None or stand_in.__comm_replaces__ is not original:  # type: ignore[attr-defined]
-        stand_in = _STAND_INS[id(original)] = _stand_in(original, replacement)
-    setattr(module, name, stand_in)
+    setattr(module, name, _stand_in(original, replacement))
 
 
 def _stand_in(original: Callable[..., Any], replacement: Callable[..., Any]) -> Callable[..., Any]:

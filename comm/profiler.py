@@ -1,15 +1,19 @@
 """Profiling: how long each collective took, at what size and bandwidth, and what staging cost.
 
 ``with comm.profile() as prof:`` times every collective and point-to-point call
-comm makes inside the block, from any thread: fast path, slow path and staged,
-sync and async. ``prof.summary()`` is a plain-text table and ``prof.to_dict()``
-the figures, per collective and per power-of-two message size, with bus
-bandwidth by the nccl-tests formulas (:mod:`comm._profile_figures`).
+made inside the block through ``torch.distributed``'s functions or comm's, from any
+thread, sync and async; and it reports what comm's staging backend staged in the
+block, whatever road the calls came by (:func:`comm.stats`, over the block).
+``prof.summary()`` is a plain-text table and ``prof.to_dict()`` the figures, per
+collective and per power-of-two message size, with bus bandwidth by the nccl-tests
+formulas (:mod:`comm._profile_figures`).
 
-It costs nothing when off. comm's wrappers reach torch through namespaces looked
-up on every call (``_TORCH`` in :mod:`comm.collectives`, :mod:`comm.exchange` and
-:mod:`comm.p2p`); while a profile is open their entries are timing wrappers of
-torch's functions, and when the last one closes they are torch's own again.
+It costs nothing when off. While a profile is open, ``torch.distributed``'s
+functions (and those comm's explicit calls use, :data:`comm.collectives.TORCH`) are
+timing wrappers of torch's own; when the last one closes they are torch's again.
+Calls torch makes from C++ (DDP's reducer) or through functional collectives
+(DTensor, compiled code), and functions imported by name before the block opened,
+are not timed; their staging is still counted.
 """
 
 from __future__ import annotations
@@ -24,13 +28,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.distributed_c10d import _world
 
-from comm import observability, staging
+from comm import collectives, observability
+from comm._env import env_switch
 from comm._profile_figures import MESSAGE_ARGUMENT, Measured, collective_dict, message, summary_table
-from comm.arguments import env_switch
 from comm.launch import launch_info
-from comm.patch import WRAPPER_MODULES
 from comm.work import TimedWork
 
 __all__ = ["Profile", "profile"]
@@ -174,13 +178,6 @@ class _Call:
             self.one_done()
         return timed if isinstance(result, list) else timed[0]
 
-    def rename(self, name: str) -> None:
-        """File the call under ``name``: the comm call that staged it, not the torch function it ran."""
-        for profile in self._profiles:
-            profile._pending_change(self.name, -1)
-            profile._pending_change(name, 1)
-        self.name = name
-
     def one_done(self) -> None:
         with _DONE_LOCK:
             self._remaining -= 1
@@ -230,13 +227,6 @@ def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return timed
 
 
-def _count_staging(op: str, nbytes: int, seconds: float, *, new_call: bool) -> None:
-    """comm.stats()'s staging counter, also counted into every open profile."""
-    observability.count_staging(op, nbytes, seconds, new_call=new_call)
-    for open_profile in _ACTIVE:
-        open_profile._staged(op, nbytes, seconds, new_call)
-
-
 class Profile:
     """What one ``comm.profile()`` block measured: read it with :meth:`summary` or :meth:`to_dict`.
 
@@ -248,6 +238,8 @@ class Profile:
         self._lock = threading.Lock()
         self._state = "new"
         self._measured = Measured()
+        self._staged_before: Dict[str, Dict[str, float]] = {}
+        self._staged_after: Optional[Dict[str, Dict[str, float]]] = None
         self.rank: Optional[int] = None
         self.world_size: Optional[int] = None
 
@@ -264,12 +256,25 @@ class Profile:
         ``algbw_gbps``, ``busbw_gbps``, ``staged_calls``, ``staged_bytes``, ``staged_seconds``,
         ``pending`` (async calls not yet seen complete) and ``sizes``, the same per message size."""
         with self._lock:
+            self._fill_staging()
             return collective_dict(self._measured)
 
     def summary(self) -> str:
         """A plain-text table: one row per collective and message size, then what staging copied."""
         with self._lock:
+            self._fill_staging()
             return summary_table(self._measured, self.rank, self.world_size)
+
+    def _fill_staging(self) -> None:
+        """What was staged while the block was open: comm.stats() at its end (or now) less at its start."""
+        after = observability.stats() if self._staged_after is None else self._staged_after
+        self._measured.staging = {}
+        for op, figures in after.items():
+            before = self._staged_before.get(op, {})
+            calls, nbytes, seconds = (figures[key] - before.get(key, 0)
+                                      for key in ("staged_calls", "bytes_staged", "staging_seconds"))
+            if calls or nbytes:
+                self._measured.staging[op] = [calls, nbytes, seconds]
 
     def _record(self, name: str, nbytes: int, bus: float, elapsed: Any, clock: str) -> None:
         with self._lock:
@@ -278,11 +283,6 @@ class Profile:
             if self.rank is None and dist.is_initialized():
                 self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self._measured.record(name, nbytes, bus, elapsed, clock)
-
-    def _staged(self, op: str, nbytes: int, seconds: float, new_call: bool) -> None:
-        with self._lock:
-            if self._state == "open":
-                self._measured.staged(op, nbytes, seconds, new_call)
 
     def _pending_change(self, name: str, change: int) -> None:
         with self._lock:
@@ -304,7 +304,7 @@ def profile() -> Profile:
 
 _LOCK = threading.Lock()
 _ACTIVE: Tuple[Profile, ...] = ()  # replaced whole: a reader never sees half of it
-_SAVED: List[Tuple[Any, str, Any]] = []  # (namespace or module, attribute, torch's or comm's own object)
+_SAVED: List[Tuple[Dict[str, Any], str, Any]] = []  # (a module's namespace or comm's table, name, torch's function)
 
 
 def _open(block: Profile) -> None:
@@ -316,6 +316,7 @@ def _open(block: Profile) -> None:
             _install()
         with block._lock:
             block._state = "open"
+            block._staged_before = observability.stats()
         _ACTIVE = (*_ACTIVE, block)
 
 
@@ -324,23 +325,22 @@ def _close(block: Profile) -> None:
     with _LOCK:
         with block._lock:
             block._state = "closed"
+            block._staged_after = observability.stats()
         _ACTIVE = tuple(other for other in _ACTIVE if other is not block)
         if not _ACTIVE:
-            for holder, attribute, original in reversed(_SAVED):
-                setattr(holder, attribute, original)
+            for holder, name, original in reversed(_SAVED):
+                holder[name] = original
             _SAVED.clear()
 
 
 def _install() -> None:
-    """Put timing wrappers where comm's collectives look torch up, and count staging into the profiles."""
-    swaps: List[Tuple[Any, str, Any]] = [
-        (module._TORCH, name, _timed(name, getattr(module._TORCH, name)))
-        for module in WRAPPER_MODULES for name in _SIGNATURES if hasattr(module._TORCH, name)
-    ]
-    swaps.append((staging, "count_staging", _count_staging))
-    for holder, attribute, replacement in swaps:
-        _SAVED.append((holder, attribute, getattr(holder, attribute)))
-        setattr(holder, attribute, replacement)
+    """Put timing wrappers of torch's functions where torch.distributed and comm's calls look them up."""
+    holders = [vars(dist), vars(c10d), collectives.TORCH]
+    for holder in holders:
+        for name in _SIGNATURES:
+            if name in holder:
+                _SAVED.append((holder, name, holder[name]))
+                holder[name] = _timed(name, holder[name])
 
 
 def profile_if_asked() -> None:

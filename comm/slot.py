@@ -35,8 +35,22 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from comm._native import STAGING
+from comm.backend import _backend_config, _backends_by_device, _GroupCache
 
-__all__ = ["equip", "staged_types", "unavailable_reason"]
+__all__ = ["equip", "existing_groups", "ready", "staged_types", "staging_device", "target_device",
+           "unavailable_reason"]
+
+# torch's private names this module uses, each because no public API does the job
+# (tests/test_slot.py fails loudly when a release renames one):
+#   ProcessGroup._register_backend, _set_group_name, _device_types, _get_backend: the
+#     per-device slot itself, the name c10d reads from a group's first backend, the
+#     slots filled, and the backend in one;
+#   distributed_c10d._world.pg_map: each group's store, which the communicator shares;
+#   distributed_c10d._new_process_group_helper: where c10d creates every group
+#     (GROUP_CREATION, watched by comm.patch());
+#   Backend._plugins and _DistributedBackendOptions: a plugin's creator, to make its
+#     communicator as c10d makes the group's.
+GROUP_CREATION = ("torch.distributed.distributed_c10d", "_new_process_group_helper")
 
 _LOG = logging.getLogger("comm")
 _LOCK = threading.Lock()
@@ -45,6 +59,8 @@ _TYPE = dist.ProcessGroup.BackendType
 _LABELS = (_TYPE.CUSTOM, _TYPE.MPI, _TYPE.UCC)
 _BUILTIN_TYPES = {"gloo": _TYPE.GLOO, "nccl": _TYPE.NCCL, "xccl": _TYPE.XCCL, "ucc": _TYPE.UCC, "mpi": _TYPE.MPI}
 _STORE_PREFIX = "comm-staging"
+# Per group: whether ready() has equipped it (False: comm's backend cannot be built here).
+_READY = _GroupCache()
 
 
 def unavailable_reason() -> Optional[str]:
@@ -67,7 +83,7 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
         missing = _missing_types(served)
         if not missing:
             return staged_types(pg)
-        target = _target(pg, served)
+        target = target_device(pg, served)
         native = STAGING.load()
         label = _free_label(pg)
         name = pg.group_name  # c10d reads the name from the first backend by device type: put it back after
@@ -79,6 +95,33 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
         return staged_types(pg)
 
 
+def existing_groups() -> List[dist.ProcessGroup]:
+    """Every process group this rank belongs to."""
+    return [group for group in list(c10d._world.pg_map) if isinstance(group, dist.ProcessGroup)]
+
+
+def ready(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether torch can take ``group``'s calls as they are: it is equipped (now, if not before).
+
+    False only where comm's backend cannot be built here: comm's explicit calls
+    then stage in plain Python. True for a rank outside the group and before
+    ``init_process_group``, where torch's own call does what torch does.
+    """
+    if group is None:
+        group = c10d.GroupMember.WORLD
+        if group is None:
+            return True
+    elif not isinstance(group, dist.ProcessGroup):
+        return True
+    known: Optional[bool] = _READY.get(group)
+    if known is None:
+        known = unavailable_reason() is None
+        if known:
+            equip(group)
+        _READY.set(group, known)
+    return known
+
+
 def staged_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     """The device types comm's backend serves on ``group``."""
     pg = _resolve(group)
@@ -88,11 +131,24 @@ def staged_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     return frozenset(d.type for d in pg._device_types if native.staging_target(pg._get_backend(d)) is not None)
 
 
+def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> Optional[torch.device]:
+    """None when ``group``'s own backend serves ``tensor``'s device; else the device its calls are staged onto.
+
+    A device without an index is the calling thread's current device of that type.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    pg = _resolve(group)
+    served = _registered_types(pg) - staged_types(pg)
+    if tensor.device.type in served:
+        return None
+    return target_device(pg, served)
+
+
 def _resolve(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    pg = group if group is not None else c10d._get_default_group()
-    if not isinstance(pg, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(pg).__name__}")
-    return pg
+    from comm.backend import _resolve_group
+
+    return _resolve_group(group)
 
 
 def _registered_types(pg: dist.ProcessGroup) -> FrozenSet[str]:
@@ -112,7 +168,7 @@ def _missing_types(served: FrozenSet[str]) -> List[str]:
     return [kind for kind in here if kind not in served]
 
 
-def _target(pg: dist.ProcessGroup, served: FrozenSet[str]) -> torch.device:
+def target_device(pg: dist.ProcessGroup, served: FrozenSet[str]) -> torch.device:
     """Where staged calls run: the group's bound device, else this process's accelerator if served, else the CPU.
 
     A device without an index means the calling thread's current device of that type.
@@ -131,13 +187,11 @@ def _free_label(pg: dist.ProcessGroup) -> Any:
     for label in _LABELS:
         if label not in used:
             return label
-    raise RuntimeError(f"process group {pg.group_name!r} uses every backend label comm could take: {sorted(used)}")
+    raise RuntimeError(f"process group {pg.group_name!r} uses every backend label comm could take: {used}")
 
 
 def _backend_names(pg: dist.ProcessGroup) -> Dict[str, str]:
     """Device type -> the name of the backend the group was created with for it."""
-    from comm.backend import _backend_config, _backends_by_device
-
     return _backends_by_device(_backend_config(pg))
 
 
@@ -148,14 +202,14 @@ def _communicator_factory(pg: dist.ProcessGroup, target: torch.device) -> Callab
     staging backend, which holds this function).
     """
     name = _backend_names(pg).get(target.type) or c10d.get_backend(pg)
-    store = dist.PrefixStore(_STORE_PREFIX, c10d._world.pg_map[pg][1])
+    store = c10d.PrefixStore(_STORE_PREFIX, c10d._world.pg_map[pg][1])
     rank, size = pg.rank(), pg.size()
     ranks = dist.get_process_group_ranks(pg)
     timeout = _timeout(pg, target)
     group_name = f"{pg.group_name}:{_STORE_PREFIX}"
 
     def make() -> Any:
-        return _new_backend(name, store, rank, size, timeout, ranks, group_name, target)
+        return _new_backend(name, store, rank, size, timeout, ranks, group_name)
 
     return make
 
@@ -167,22 +221,21 @@ def _timeout(pg: dist.ProcessGroup, target: torch.device) -> datetime.timedelta:
 
 
 def _new_backend(name: str, store: Any, rank: int, size: int, timeout: datetime.timedelta, ranks: List[int],
-                 group_name: str, target: torch.device) -> Any:
-    """A backend of kind ``name`` for these ranks, made as c10d makes a group's."""
+                 group_name: str) -> Any:
+    """A backend of kind ``name`` for these ranks, made as c10d's ``_new_process_group_helper`` makes a group's."""
     if name == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
-    if name == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
-    if name == "xccl":
-        return dist.ProcessGroupXCCL(store, rank, size)  # type: ignore[attr-defined]
+    if name in ("nccl", "xccl"):  # torch's accelerator backends take the same options
+        kind = getattr(dist, f"ProcessGroup{name.upper()}")
+        options: Any = kind.Options()
+        options._timeout, options.global_ranks_in_group, options.group_name = timeout, ranks, group_name
+        return kind(store, rank, size, options)
     plugin = dist.Backend._plugins.get(name.upper())
     if plugin is None:
         raise RuntimeError(f"comm cannot make a staging communicator for backend {name!r}")
     if not plugin.extended_api:
         return plugin.creator_fn(store, rank, size, timeout)
-    options = c10d._DistributedBackendOptions()
-    options.store, options.group_rank, options.group_size = store, rank, size
-    options.timeout, options.group_id, options.global_ranks_in_group = timeout, group_name, ranks
-    return plugin.creator_fn(options, None)
+    extended: Any = c10d._DistributedBackendOptions()  # type: ignore[attr-defined]
+    extended.store, extended.group_rank, extended.group_size = store, rank, size
+    extended.timeout, extended.group_id, extended.global_ranks_in_group = timeout, group_name, ranks
+    return plugin.creator_fn(extended, None)

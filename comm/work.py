@@ -1,5 +1,6 @@
-"""Work handles comm returns in place of torch's: a staged call's, which writes the results
-back when waited on, and a profiled call's, which tells comm.profile() when it completed."""
+"""Work handles comm returns in place of torch's: a call comm finishes in Python (staged
+without the native backend, AVG divided, uneven pieces copied out), which does so
+when waited on, and a profiled call's, which tells comm.profile() when it completed."""
 
 from __future__ import annotations
 
@@ -125,8 +126,6 @@ class TimedCall(Protocol):
 
     def one_done(self) -> None: ...
 
-    def rename(self, name: str) -> None: ...
-
 
 _TIMED_LOCK = threading.Lock()
 
@@ -198,9 +197,3 @@ class TimedWork(dist.Work):
             call, self._call = self._call, None
         if call is not None:
             call.one_done()
-
-
-def attribute_work(work: Any, name: str) -> None:
-    """File a profiled call's work under comm's call ``name`` (staging runs torch functions named otherwise)."""
-    if type(work) is TimedWork and work._call is not None:
-        work._call.rename(name)

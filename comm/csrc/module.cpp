@@ -19,17 +19,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     if (staging == nullptr) return std::nullopt;
     return staging->target();
   });
-  m.def("counters", []() {
-    auto& c = counters();
-    return std::map<std::string, int64_t>{
-        {"calls", c.calls.load()}, {"transfers", c.transfers.load()}, {"bytes", c.bytes.load()},
-        {"emulated", c.emulated.load()}};
+  m.def("tallies", []() {
+    std::map<std::string, std::map<std::string, int64_t>> out;
+    for (const auto& [name, t] : tallies()) {
+      out[name] = {{"calls", t.calls}, {"transfers", t.transfers}, {"bytes", t.bytes}, {"nanoseconds", t.nanoseconds}};
+    }
+    return out;
   });
-  m.def("reset_counters", []() {
-    auto& c = counters();
-    c.calls = 0;
-    c.transfers = 0;
-    c.bytes = 0;
-    c.emulated = 0;
-  });
+  m.def("reset_tallies", &resetTallies);
 }

@@ -1,23 +1,58 @@
 // The work of a staged call, and the write-back that completes it.
+#include <chrono>
+
 #include <ATen/core/ivalue.h>
 
 #include "staging.h"
 
 namespace comm_native {
 
-Counters& counters() {
-  static Counters instance;
-  return instance;
+namespace {
+
+std::mutex tallyMutex;
+std::map<std::string, Tally>& tallyTable() {
+  static std::map<std::string, Tally> table;
+  return table;
+}
+
+} // namespace
+
+void tally(const std::string& name, const Tally& more) {
+  std::lock_guard<std::mutex> lock(tallyMutex);
+  auto& entry = tallyTable()[name];
+  entry.calls += more.calls;
+  entry.transfers += more.transfers;
+  entry.bytes += more.bytes;
+  entry.nanoseconds += more.nanoseconds;
+}
+
+std::map<std::string, Tally> tallies() {
+  std::lock_guard<std::mutex> lock(tallyMutex);
+  return tallyTable();
+}
+
+void resetTallies() {
+  std::lock_guard<std::mutex> lock(tallyMutex);
+  tallyTable().clear();
+}
+
+int64_t nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 void WriteBack::write() {
   std::call_once(once_, [this] {
+    Tally copied;
+    auto start = nowNs();
     for (size_t i = 0; i < callers_.size(); ++i) {
       if (divisor_ != 1) staged_[i].div_(divisor_);
       callers_[i].copy_(staged_[i]);
-      counters().transfers += 1;
-      counters().bytes += static_cast<int64_t>(staged_[i].nbytes());
+      copied.transfers += 1;
+      copied.bytes += static_cast<int64_t>(staged_[i].nbytes());
     }
+    copied.nanoseconds = nowNs() - start;
+    if (copied.transfers > 0) tally(name_, copied);
     staged_.clear(); // the copies are not needed once written
     written_ = true;
   });

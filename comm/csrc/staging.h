@@ -31,14 +31,18 @@ using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
 // Makes the communicator staged calls run on; called once, at the first staged call.
 using CommunicatorFactory = std::function<BackendPtr()>;
 
-// Per-process counts of staged calls, for comm.stats().
-struct Counters {
-  std::atomic<int64_t> calls{0};
-  std::atomic<int64_t> transfers{0};
-  std::atomic<int64_t> bytes{0};
-  std::atomic<int64_t> emulated{0};
+// What staging cost, per collective (torch.distributed's name for it), for comm.stats():
+// staged calls, host-device copies, their bytes and the time spent copying.
+struct Tally {
+  int64_t calls = 0;
+  int64_t transfers = 0;
+  int64_t bytes = 0;
+  int64_t nanoseconds = 0;
 };
-Counters& counters();
+void tally(const std::string& name, const Tally& more);
+std::map<std::string, Tally> tallies();
+void resetTallies();
+int64_t nowNs();
 
 // What one staged call writes back once its collective has completed: each staged
 // copy into the caller's tensor it stands for, after dividing by `divisor` (a
@@ -46,8 +50,9 @@ Counters& counters();
 // work's future, is_completed()); never written when the collective failed.
 class WriteBack {
  public:
-  WriteBack(std::string what, Tensors callers, Tensors staged, int64_t divisor)
-      : what_(std::move(what)), callers_(std::move(callers)), staged_(std::move(staged)), divisor_(divisor) {}
+  WriteBack(std::string name, std::string what, Tensors callers, Tensors staged, int64_t divisor)
+      : name_(std::move(name)), what_(std::move(what)), callers_(std::move(callers)), staged_(std::move(staged)),
+        divisor_(divisor) {}
 
   void write();
   bool written() const { return written_.load(); }
@@ -56,6 +61,7 @@ class WriteBack {
   const std::string& what() const { return what_; }
 
  private:
+  std::string name_;
   std::string what_;
   Tensors callers_;
   Tensors staged_;

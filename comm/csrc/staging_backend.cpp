@@ -38,9 +38,13 @@ class StagingBackend::Call {
 
   // A copy of `tensor` on the target device, for the collective to read.
   at::Tensor in(const at::Tensor& tensor) {
+    auto start = nowNs();
     auto staged = at::empty(tensor.sizes(), tensor.options().device(target_));
     staged.copy_(tensor);
-    moved(tensor);
+    copied_.nanoseconds += nowNs() - start;
+    copied_.transfers += 1;
+    copied_.bytes += static_cast<int64_t>(tensor.nbytes());
+    if (source_.empty()) source_ = tensor.device().str();
     return staged;
   }
   // A buffer on the target device for a result the collective writes into `tensor`;
@@ -82,7 +86,6 @@ class StagingBackend::Call {
     if (op.op_ == c10d::ReduceOp::AVG) {
       for (const auto& tensor : inputs) at::empty({0}, tensor.options()).div_(2); // torch's error for integers
       divisor_ = size;
-      counters().emulated += 1;
       return c10d::ReduceOp(c10d::ReduceOp::SUM);
     }
     if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
@@ -95,7 +98,6 @@ class StagingBackend::Call {
           tensor.mul_(factor->double_factor);
         }
       }
-      counters().emulated += 1;
       return c10d::ReduceOp(c10d::ReduceOp::SUM);
     }
     return op;
@@ -107,29 +109,24 @@ class StagingBackend::Call {
   // What the write-back writes, and what an error says was staged.
   std::shared_ptr<WriteBack> writeBack() {
     std::string what = c10::str(
-        "comm staged ", name_, ": ", moved_, " tensor(s), ", bytes_, " bytes, ", source_.empty() ? "-" : source_,
-        " -> ", target_.str(), "; the caller's tensors were not written");
-    return std::make_shared<WriteBack>(std::move(what), std::move(callers_), std::move(staged_), divisor_);
+        "comm staged ", name_, ": ", copied_.transfers, " tensor(s), ", copied_.bytes, " bytes, ",
+        source_.empty() ? "-" : source_, " -> ", target_.str(), "; the caller's tensors were not written");
+    return std::make_shared<WriteBack>(name_, std::move(what), std::move(callers_), std::move(staged_), divisor_);
   }
 
-  const char* name() const { return name_; }
+  // Counts the call and its copies in: once the communicator has taken it.
+  void issued() {
+    copied_.calls = 1;
+    tally(name_, copied_);
+  }
 
  private:
-  void moved(const at::Tensor& tensor) {
-    moved_ += 1;
-    bytes_ += static_cast<int64_t>(tensor.nbytes());
-    counters().transfers += 1;
-    counters().bytes += static_cast<int64_t>(tensor.nbytes());
-    if (source_.empty()) source_ = tensor.device().str();
-  }
-
   const char* name_;
   at::Device target_;
   Tensors callers_;
   Tensors staged_;
   int64_t divisor_ = 1;
-  int64_t moved_ = 0;
-  int64_t bytes_ = 0;
+  Tally copied_;
   std::string source_;
 };
 
@@ -188,7 +185,7 @@ WorkPtr StagingBackend::endCoalescing() {
     works.clear();
     if (work) works.push_back(work);
   }
-  if (backs.empty()) backs.push_back(std::make_shared<WriteBack>("comm staged nothing", Tensors{}, Tensors{}, 1));
+  if (backs.empty()) backs.push_back(std::make_shared<WriteBack>("coalesced", "comm staged nothing", Tensors{}, Tensors{}, 1));
   return c10::make_intrusive<StagedWork>(std::move(works), std::move(backs), c10d::OpType::COALESCED);
 }
 
@@ -213,7 +210,7 @@ WorkPtr StagingBackend::finish(Call& call, c10d::OpType type, const std::functio
   } catch (...) {
     rethrowStaged(*back);
   }
-  counters().calls += 1;
+  call.issued();
   std::lock_guard<std::mutex> lock(mutex_);
   if (coalescing_) {
     coalescedBacks_.push_back(back);
@@ -233,7 +230,7 @@ WorkPtr StagingBackend::broadcast(Tensors& tensors, const c10d::BroadcastOptions
 }
 
 WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
-  Call call("allreduce", target_);
+  Call call("all_reduce", target_);
   auto staged = call.out(tensors, /*reads=*/true);
   auto staged_opts = opts;
   staged_opts.reduceOp = call.reduceOp(opts.reduceOp, staged, getSize());
@@ -241,7 +238,7 @@ WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions
 }
 
 WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  Call call("allreduce_coalesced", target_);
+  Call call("all_reduce_coalesced", target_);
   auto staged = call.out(tensors, /*reads=*/true);
   auto staged_opts = opts;
   staged_opts.reduceOp = call.reduceOp(opts.reduceOp, staged, getSize());
@@ -259,7 +256,7 @@ WorkPtr StagingBackend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts
 }
 
 WorkPtr StagingBackend::allgather(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
-  Call call("allgather", target_);
+  Call call("all_gather", target_);
   auto staged_in = call.in(inputs);
   auto staged_out = call.out(outputs);
   return finish(call, c10d::OpType::ALLGATHER,
@@ -267,7 +264,7 @@ WorkPtr StagingBackend::allgather(TensorLists& outputs, Tensors& inputs, const c
 }
 
 WorkPtr StagingBackend::_allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  Call call("allgather_into_tensor", target_);
+  Call call("all_gather_into_tensor", target_);
   auto staged_in = call.in(input);
   auto staged_out = call.out(output);
   return finish(call, c10d::OpType::_ALLGATHER_BASE,
@@ -275,7 +272,7 @@ WorkPtr StagingBackend::_allgather_base(at::Tensor& output, at::Tensor& input, c
 }
 
 WorkPtr StagingBackend::allgather_coalesced(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
-  Call call("allgather_coalesced", target_);
+  Call call("all_gather_coalesced", target_);
   auto staged_in = call.in(inputs);
   auto staged_out = call.out(outputs);
   return finish(call, c10d::OpType::ALLGATHER_COALESCED,
@@ -284,7 +281,7 @@ WorkPtr StagingBackend::allgather_coalesced(TensorLists& outputs, Tensors& input
 
 WorkPtr StagingBackend::allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                                         const c10d::AllgatherOptions& opts) {
-  Call call("allgather_into_tensor_coalesced", target_);
+  Call call("all_gather_into_tensor_coalesced", target_);
   auto staged_in = call.in(inputs);
   auto staged_out = call.out(outputs);
   return finish(call, c10d::OpType::COALESCED, [&](c10d::Backend& comm) {
@@ -343,7 +340,7 @@ WorkPtr StagingBackend::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensor
 
 WorkPtr StagingBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
                                       std::vector<int64_t>& input_splits, const c10d::AllToAllOptions& opts) {
-  Call call("alltoall_base", target_);
+  Call call("all_to_all_single", target_);
   auto staged_in = call.in(input);
   auto staged_out = call.out(output);
   return finish(call, c10d::OpType::ALLTOALL_BASE, [&](c10d::Backend& comm) {
@@ -352,7 +349,7 @@ WorkPtr StagingBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std
 }
 
 WorkPtr StagingBackend::alltoall(Tensors& outputs, Tensors& inputs, const c10d::AllToAllOptions& opts) {
-  Call call("alltoall", target_);
+  Call call("all_to_all", target_);
   auto staged_in = call.in(inputs);
   auto staged_out = call.out(outputs);
   return finish(call, c10d::OpType::ALLTOALL,
@@ -372,7 +369,7 @@ WorkPtr StagingBackend::recv(Tensors& tensors, int src, int tag) {
 }
 
 WorkPtr StagingBackend::recvAnysource(Tensors& tensors, int tag) {
-  Call call("recv from any source", target_);
+  Call call("recv", target_);
   auto staged = call.out(tensors);
   return finish(call, c10d::OpType::RECVANYSOURCE, [&](c10d::Backend& comm) {
     TORCH_CHECK(comm.getBackendName() != "nccl",

@@ -1,0 +1,129 @@
+"""What comm's explicit calls add where a backend falls short of torch's API.
+
+* ``ReduceOp.AVG`` runs as SUM, then a divide of the results, where the backend of
+  the tensors' device lacks it or gets it wrong (some HCCL parts, XCCL, gloo before
+  torch 2.8, NCCL at world size 1). Integer tensors get torch's own error first,
+  before anything is sent. Staged calls need none of this: comm's staging backend
+  always runs AVG as SUM on its copies.
+* ``all_gather`` with pieces of unequal sizes, which gloo rejects: one flat
+  all-gather of pieces padded to the largest, then each piece copied out.
+
+Each entry of :data:`GAPS` takes torch's function and a call's arguments, and calls
+torch's function (looked up by the caller on every call, so that comm.profile()
+can time it).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from comm.backend import _native_avg, _resolve_group
+from comm.work import DeferredWork
+
+__all__ = ["GAPS"]
+
+
+def _bound(call: Callable[..., Any], args: Any, kwargs: Any) -> inspect.BoundArguments:
+    bound = inspect.signature(call).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound
+
+
+def _finished(work: Any, async_op: bool, finish: Callable[[], None], outputs: List[torch.Tensor]) -> Any:
+    """Run ``finish`` once the collective is done: now, or when its work is waited on."""
+    if not async_op:
+        if work is not None:
+            work.wait()
+        finish()
+        return None
+    return DeferredWork([work], finish, outputs, lambda: "")
+
+
+def _tensors(value: Any) -> List[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+def _asks_avg(args: Any, kwargs: Any) -> bool:
+    ops = [arg for arg in args if isinstance(arg, (ReduceOp, ReduceOp.RedOpType))]
+    if "op" in kwargs:
+        ops.append(kwargs["op"])
+    return any(op == ReduceOp.AVG for op in ops)
+
+
+# torch >= 2.12 deprecates all_gather_into_tensor in favour of all_gather_single.
+_FLAT_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+Gap = Callable[[Callable[..., Any], Tuple[Any, ...], Dict[str, Any]], Any]
+
+
+def _average(kind: str, output: str) -> Gap:
+    """A call with ``op=ReduceOp.AVG`` run as SUM and divide where the backend lacks AVG."""
+
+    def call(torch_call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        if not _asks_avg(args, kwargs):
+            return torch_call(*args, **kwargs)
+        bound = _bound(torch_call, args, kwargs)
+        outputs = _tensors(bound.arguments[output])
+        group = _resolve_group(bound.arguments.get("group"))
+        if bound.arguments["op"] != ReduceOp.AVG or not outputs or _native_avg(group, outputs[0].device.type, kind):
+            return torch_call(*args, **kwargs)
+        for tensor in outputs:
+            torch.empty(0, dtype=tensor.dtype).div_(2)  # torch's own error for integer and bool tensors
+        bound.arguments["op"] = ReduceOp.SUM
+        async_op = bound.arguments["async_op"]
+        bound.arguments["async_op"] = True
+        work = torch_call(*bound.args, **bound.kwargs)
+        size = group.size()
+
+        def divide() -> None:
+            for tensor in outputs:
+                tensor.div_(size)
+
+        return _finished(work, async_op, divide, outputs)
+
+    return call
+
+
+def _uneven_all_gather(torch_call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``all_gather``, also when the pieces differ in size: through one padded flat all-gather."""
+    return _all_gather(torch_call, *args, **kwargs)
+
+
+def _all_gather(torch_call: Callable[..., Any], tensor_list: List[torch.Tensor], tensor: torch.Tensor,
+                group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Any:
+    if all(piece.numel() == tensor.numel() for piece in tensor_list):
+        return torch_call(tensor_list, tensor, group, async_op)
+    pg = _resolve_group(group)
+    if len(tensor_list) != pg.size():
+        raise ValueError(f"tensor_list must have one tensor per rank ({pg.size()}), got {len(tensor_list)}")
+    if any(piece.dtype != tensor.dtype for piece in tensor_list):
+        raise TypeError(f"every tensor in tensor_list must have dtype {tensor.dtype}, as tensor has")
+    if tensor.numel() != tensor_list[pg.rank()].numel():
+        raise ValueError(f"tensor has {tensor.numel()} elements, but this rank's piece in tensor_list has "
+                         f"{tensor_list[pg.rank()].numel()}")
+    longest = max(piece.numel() for piece in tensor_list)
+    padded = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
+    padded[: tensor.numel()] = tensor.reshape(-1)
+    gathered = torch.empty(longest * pg.size(), dtype=tensor.dtype, device=tensor.device)
+    work = _FLAT_GATHER(gathered, padded, group, async_op=True)
+
+    def copy_out() -> None:
+        for index, piece in enumerate(tensor_list):
+            start = index * longest
+            piece.copy_(gathered[start: start + piece.numel()].view(piece.shape))
+
+    return _finished(work, async_op, copy_out, list(tensor_list))
+
+
+GAPS: Dict[str, Gap] = {
+    "all_reduce": _average("all_reduce", "tensor"),
+    "reduce": _average("reduce", "tensor"),
+    "reduce_scatter": _average("reduce_scatter", "output"),
+    "reduce_scatter_tensor": _average("reduce_scatter", "output"),
+    "reduce_scatter_single": _average("reduce_scatter", "output"),
+    "all_gather": _uneven_all_gather,
+}
