@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import weakref
 from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
 import torch
@@ -87,8 +88,8 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
         native = STAGING.load()
         label = _free_label(pg)
         name = pg.group_name  # c10d reads the name from the first backend by device type: put it back after
+        backend = native.staging_backend(pg.rank(), pg.size(), target, _communicator_factory(pg, target))
         for device_type in missing:
-            backend = native.staging_backend(pg.rank(), pg.size(), target, _communicator_factory(pg, target))
             pg._register_backend(torch.device(device_type), label, backend)
         pg._set_group_name(name)
         _LOG.info("comm stages %s on group %r onto %s", ", ".join(missing), name, target)
@@ -198,18 +199,21 @@ def _backend_names(pg: dist.ProcessGroup) -> Dict[str, str]:
 def _communicator_factory(pg: dist.ProcessGroup, target: torch.device) -> Callable[[], Any]:
     """A function that makes the staging communicator: a new backend like the group's for ``target``.
 
-    It captures the store, ranks and creator, not the group (which holds the
-    staging backend, which holds this function).
+    It holds the group by weak reference (the group holds the staging backend, which
+    holds this function), and reads the group's store and ranks when it runs: at the
+    first staged call, after c10d has finished registering the group.
     """
     name = _backend_names(pg).get(target.type) or c10d.get_backend(pg)
-    store = c10d.PrefixStore(_STORE_PREFIX, c10d._world.pg_map[pg][1])
-    rank, size = pg.rank(), pg.size()
-    ranks = dist.get_process_group_ranks(pg)
     timeout = _timeout(pg, target)
-    group_name = f"{pg.group_name}:{_STORE_PREFIX}"
+    group = weakref.ref(pg)
 
     def make() -> Any:
-        return _new_backend(name, store, rank, size, timeout, ranks, group_name)
+        made = group()
+        if made is None:
+            raise RuntimeError("comm's staging backend outlived its process group")
+        store = c10d.PrefixStore(_STORE_PREFIX, c10d._world.pg_map[made][1])
+        ranks = dist.get_process_group_ranks(made)
+        return _new_backend(name, store, made.rank(), made.size(), timeout, ranks, f"{made.group_name}:{_STORE_PREFIX}")
 
     return make
 

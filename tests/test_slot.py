@@ -1,0 +1,187 @@
+"""comm.slot: comm's backend in the device slots a group leaves empty, reached by every road into c10d.
+
+Each road is tried on two simulated NPUs, first without comm (it must fail as it
+does on real hardware), then with the group equipped by ``comm.patch()`` after the
+group exists and, for a second group, before it does; values are compared with the
+same call on NPU-resident tensors, which the group's own backend serves.
+"""
+
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.distributed_c10d as c10d
+from torch.distributed.distributed_c10d import _coalescing_manager
+
+import comm
+import comm.slot
+
+from multiproc import NPU, SEED_ERROR, error_of, init_group, run_ranks
+
+pytestmark = pytest.mark.skipif(comm.unavailable_reason() is not None, reason=str(comm.unavailable_reason()))
+
+
+def _values(rank, device, numel=6):
+    return (torch.arange(numel, dtype=torch.float32) * (rank + 1)).to(device)
+
+
+def _ddp_gradient(model_device, rank, group):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3).to(model_device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+    ddp(_values(rank, model_device).reshape(1, 6)).sum().backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu()
+
+
+def _coalesced(device, rank, group, async_ops):
+    tensors = [_values(rank, device), _values(rank + 2, device, 3)]
+    with _coalescing_manager(group, async_ops=async_ops) as manager:
+        for tensor in tensors:
+            dist.all_reduce(tensor, group=group)
+    if async_ops:
+        manager.wait()
+    return [t.cpu() for t in tensors]
+
+
+def _all_gather_coalesced(device, rank, group):
+    inputs = [_values(rank, device), _values(rank, device, 2)]
+    outputs = [[torch.zeros_like(t) for t in inputs] for _ in range(2)]  # one list per rank
+    dist.all_gather_coalesced(outputs, inputs, group=group)
+    return [t.cpu() for lists in outputs for t in lists]
+
+
+def _roads(rank, group):
+    """Every road into c10d, on CPU tensors over ``group``, each with NPU tensors' result beside it."""
+    npu = torch.device("npu", rank)
+    roads = {}
+
+    def all_reduce(device):
+        tensor = _values(rank, device)
+        dist.all_reduce(tensor, group=group)
+        return [tensor.cpu()]
+
+    def functional(device):
+        import torch.distributed._functional_collectives as fc
+
+        return [fc.all_reduce(_values(rank, device), "sum", group).wait().cpu()]
+
+    roads["all_reduce"] = all_reduce
+    roads["functional all_reduce"] = functional
+    roads["DDP"] = lambda device: [_ddp_gradient(device, rank, group)]
+    roads["coalescing manager"] = lambda device: _coalesced(device, rank, group, async_ops=False)
+    roads["coalescing manager, async"] = lambda device: _coalesced(device, rank, group, async_ops=True)
+    roads["all_gather_coalesced"] = lambda device: _all_gather_coalesced(device, rank, group)
+    return {name: (road, road(npu)) for name, road in roads.items()}
+
+
+def _failures_without_comm(rank, group):
+    failures = {}
+    for name, (road, _) in _roads(rank, group).items():
+        failures[name] = error_of(road, "cpu", catch=(RuntimeError, ValueError))
+    return failures
+
+
+def _differences_with_comm(rank, group):
+    differences = []
+    for name, (road, expected) in _roads(rank, group).items():
+        got = road("cpu")
+        if not all(torch.equal(a, b) for a, b in zip(got, expected)) or len(got) != len(expected):
+            differences.append(f"{name}: {got} != {expected}")
+    tensor = _values(rank, torch.device("npu", rank))  # the group's own calls still work after all of them
+    dist.all_reduce(tensor, group=group)
+    if not torch.equal(tensor.cpu(), _values(0, "cpu") + _values(1, "cpu")):
+        differences.append(f"an NPU all_reduce after them: {tensor.cpu()}")
+    return differences
+
+
+def _every_road(rank, world_size):
+    init_group("hccl", rank, world_size, device_id=torch.device("npu", rank))
+    world = dist.group.WORLD
+    before = _failures_without_comm(rank, world)
+    saved = error_of(dcp.async_save, {"w": torch.ones(2)}, catch=(AssertionError,))
+    comm.patch()  # after the default group exists
+    after_patch = _differences_with_comm(rank, world)
+    subgroup = dist.new_group([0, 1])  # made while patched
+    in_subgroup = _differences_with_comm(rank, subgroup)
+    mesh = torch.distributed.device_mesh.init_device_mesh("npu", (2,))
+    in_mesh = _differences_with_comm(rank, mesh.get_group())
+    return {
+        "before": before, "async_save before": saved, "after patch": after_patch, "subgroup": in_subgroup,
+        "mesh": in_mesh, "types": sorted(d.type for d in dist.group.WORLD._device_types),
+        "staged": sorted(comm.staged_types()), "backend": dist.get_backend(), "config": dist.get_backend_config(),
+        "name": dist.group.WORLD.group_name, "stats": comm.stats(),
+    }
+
+
+def test_every_road_into_c10d_stages_on_simulated_hccl():
+    for result in run_ranks(_every_road, backend=None, simulate=NPU, timeout=300):
+        assert len(result["before"]) == 6, result["before"]
+        assert all(SEED_ERROR in (error or "") for error in result["before"].values()), result["before"]
+        assert "A CPU backend must be enabled" in result["async_save before"]
+        assert result["after patch"] == [] and result["subgroup"] == [] and result["mesh"] == []
+        assert result["types"] == ["cpu", "npu"] and result["staged"] == ["cpu"]
+        assert (result["backend"], result["config"]) == ("hccl", "npu:hccl")  # what the group was created with
+        assert result["name"] == "0"
+        for name in ("all_reduce", "all_reduce_coalesced", "all_gather_coalesced"):
+            assert result["stats"][name]["staged_calls"] > 0, result["stats"]
+
+
+def _npu_model_on_gloo(rank, world_size):
+    before = error_of(_ddp_gradient, torch.device("npu", rank), rank, None)
+    comm.patch()
+    staged = _ddp_gradient(torch.device("npu", rank), rank, None)
+    return before, staged, _ddp_gradient("cpu", rank, None), sorted(comm.staged_types())
+
+
+def test_a_model_on_the_npu_over_a_gloo_group():
+    for before, staged, on_cpu, types in run_ranks(_npu_model_on_gloo, simulate=NPU):
+        assert before is not None and "No backend type associated with device type npu" in before
+        assert torch.equal(staged, on_cpu)
+        assert types == ["npu"]
+
+
+def _async_save_beside_training(rank, world_size):
+    comm.patch()
+    init_group("hccl", rank, world_size, device_id=torch.device("npu", rank))
+    path = os.path.join(os.environ["COMM_TEST_STORE"] + "-checkpoint")
+    state = {"weight": _values(rank, "cpu", 64), "step": torch.tensor(7)}
+    future = dcp.async_save(state, checkpoint_id=path)
+    reduced = 0
+    while not future.done() or reduced < 20:  # the training thread keeps using the group meanwhile
+        tensor = _values(rank, torch.device("npu", rank))
+        dist.all_reduce(tensor)
+        assert torch.equal(tensor.cpu(), _values(0, "cpu") + _values(1, "cpu"))
+        reduced += 1
+    future.result()
+    loaded = {"weight": torch.zeros(64), "step": torch.tensor(0)}
+    dcp.load(loaded, checkpoint_id=path)
+    return loaded, state, threading.active_count()
+
+
+def test_async_save_completes_while_the_training_thread_reduces():
+    for loaded, state, _ in run_ranks(_async_save_beside_training, backend=None, simulate=NPU, timeout=300):
+        assert torch.equal(loaded["step"], state["step"])
+        assert torch.equal(loaded["weight"], _values(0, "cpu", 64))  # DCP saves rank 0's replicated tensor
+
+
+def test_the_private_names_comm_uses_exist():
+    """Fails loudly when a torch release renames what comm.slot needs (see the list in comm/slot.py)."""
+    for name in ("_register_backend", "_set_group_name", "_device_types", "_get_backend"):
+        assert hasattr(dist.ProcessGroup, name), name
+    module_name, name = comm.slot.GROUP_CREATION
+    assert module_name == c10d.__name__ and callable(getattr(c10d, name))
+    assert isinstance(c10d._world.pg_map, dict)
+    assert isinstance(dist.Backend._plugins, dict) and hasattr(c10d, "_DistributedBackendOptions")
+    assert {"CUSTOM", "MPI", "UCC", "GLOO"} <= set(dist.ProcessGroup.BackendType.__members__)
+
+
+def _staging_device(rank, world_size):
+    return str(comm.staging_device(torch.ones(1))), comm.staging_device(torch.ones(1, device="npu"))
+
+
+def test_staging_device_names_where_a_tensor_is_staged():
+    for cpu, npu in run_ranks(_staging_device, backend="hccl", simulate=NPU):
+        assert npu is None and cpu == "npu"
