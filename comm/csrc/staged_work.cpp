@@ -41,19 +41,34 @@ int64_t nowNs() {
       .count();
 }
 
+WriteBack::WriteBack(std::string name, std::string what, std::vector<Piece> pieces, int64_t divisor)
+    : name_(std::move(name)), what_(std::move(what)), pieces_(std::move(pieces)), divisor_(divisor) {
+  for (const auto& piece : pieces_) callers_.insert(callers_.end(), piece.callers.begin(), piece.callers.end());
+}
+
 void WriteBack::write() {
   std::call_once(once_, [this] {
     Tally copied;
     auto start = nowNs();
-    for (size_t i = 0; i < callers_.size(); ++i) {
-      if (divisor_ != 1) staged_[i].div_(divisor_);
-      callers_[i].copy_(staged_[i]);
+    for (auto& piece : pieces_) {
+      if (divisor_ != 1) piece.staged.div_(divisor_);
       copied.transfers += 1;
-      copied.bytes += static_cast<int64_t>(staged_[i].nbytes());
+      copied.bytes += static_cast<int64_t>(piece.staged.nbytes());
+      if (piece.callers.size() == 1) {
+        piece.callers.front().copy_(piece.staged);
+        continue;
+      }
+      // A list: its flat buffer comes back in one transfer, then each tensor takes its part.
+      auto back = piece.staged.to(piece.callers.front().device());
+      int64_t offset = 0;
+      for (auto& caller : piece.callers) {
+        caller.copy_(back.narrow(0, offset, caller.numel()).view(caller.sizes()));
+        offset += caller.numel();
+      }
     }
     copied.nanoseconds = nowNs() - start;
     if (copied.transfers > 0) tally(name_, copied);
-    staged_.clear(); // the copies are not needed once written
+    pieces_.clear(); // the copies are not needed once written
     written_ = true;
   });
 }

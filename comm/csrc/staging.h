@@ -44,15 +44,20 @@ std::map<std::string, Tally> tallies();
 void resetTallies();
 int64_t nowNs();
 
-// What one staged call writes back once its collective has completed: each staged
-// copy into the caller's tensor it stands for, after dividing by `divisor` (a
+// Caller tensors and the one staged buffer their results come back from: a tensor's
+// copy, or a list's flat buffer, which comes back in one transfer and is then split.
+struct Piece {
+  Tensors callers;
+  at::Tensor staged;
+};
+
+// What one staged call writes back once its collective has completed: each piece
+// into the caller's tensors it stands for, after dividing by `divisor` (a
 // ReduceOp.AVG run as SUM). Written at most once, whoever asks first (wait(), the
 // work's future, is_completed()); never written when the collective failed.
 class WriteBack {
  public:
-  WriteBack(std::string name, std::string what, Tensors callers, Tensors staged, int64_t divisor)
-      : name_(std::move(name)), what_(std::move(what)), callers_(std::move(callers)), staged_(std::move(staged)),
-        divisor_(divisor) {}
+  WriteBack(std::string name, std::string what, std::vector<Piece> pieces, int64_t divisor);
 
   void write();
   bool written() const { return written_.load(); }
@@ -63,8 +68,8 @@ class WriteBack {
  private:
   std::string name_;
   std::string what_;
+  std::vector<Piece> pieces_;
   Tensors callers_;
-  Tensors staged_;
   int64_t divisor_;
   std::once_flag once_;
   std::atomic<bool> written_{false};

@@ -51,21 +51,26 @@ class StagingBackend::Call {
   // `reads`: the collective also reads it (in-place calls), so its data is copied in.
   at::Tensor out(const at::Tensor& tensor, bool reads = false) {
     auto staged = reads ? in(tensor) : at::empty(tensor.sizes(), tensor.options().device(target_));
-    callers_.push_back(tensor);
-    staged_.push_back(staged);
+    pieces_.push_back(Piece{{tensor}, staged});
     if (source_.empty()) source_ = tensor.device().str();
     return staged;
   }
-  template <typename F>
-  Tensors each(const Tensors& tensors, F&& stage) {
-    Tensors staged;
-    staged.reserve(tensors.size());
-    for (const auto& tensor : tensors) staged.push_back(stage(tensor));
-    return staged;
+  // A list the collective reads: views of one flat copy, so one transfer for the list.
+  Tensors in(const Tensors& list) {
+    if (!flattens(list)) return each(list, [this](const at::Tensor& t) { return in(t); });
+    return views(in(joined(list)), list);
   }
-  Tensors in(const Tensors& tensors) { return each(tensors, [this](const at::Tensor& t) { return in(t); }); }
-  Tensors out(const Tensors& tensors, bool reads = false) {
-    return each(tensors, [this, reads](const at::Tensor& t) { return out(t, reads); });
+  // A list the collective writes: views of one flat buffer, written back in one transfer.
+  Tensors out(const Tensors& list, bool reads = false) {
+    if (!flattens(list)) return each(list, [this, reads](const at::Tensor& t) { return out(t, reads); });
+    return views(outFlat(list, reads), list);
+  }
+  // The flat buffer itself, for a coalesced all-reduce that runs as one all-reduce.
+  at::Tensor outFlat(const Tensors& list, bool reads) {
+    auto staged = reads ? in(joined(list)) : at::empty({total(list)}, list.front().options().device(target_));
+    pieces_.push_back(Piece{list, staged});
+    if (source_.empty()) source_ = list.front().device().str();
+    return staged;
   }
   TensorLists in(const TensorLists& lists) {
     TensorLists staged;
@@ -76,6 +81,15 @@ class StagingBackend::Call {
     TensorLists staged;
     for (const auto& list : lists) staged.push_back(out(list));
     return staged;
+  }
+
+  // Whether a list can travel as one flat buffer: several tensors of one dtype on one device.
+  static bool flattens(const Tensors& list) {
+    if (list.size() < 2) return false;
+    for (const auto& tensor : list) {
+      if (tensor.dtype() != list.front().dtype() || tensor.device() != list.front().device()) return false;
+    }
+    return true;
   }
 
   // The reduce op to run on the copies: ReduceOp.AVG becomes SUM, divided at the
@@ -111,7 +125,7 @@ class StagingBackend::Call {
     std::string what = c10::str(
         "comm staged ", name_, ": ", copied_.transfers, " tensor(s), ", copied_.bytes, " bytes, ",
         source_.empty() ? "-" : source_, " -> ", target_.str(), "; the caller's tensors were not written");
-    return std::make_shared<WriteBack>(name_, std::move(what), std::move(callers_), std::move(staged_), divisor_);
+    return std::make_shared<WriteBack>(name_, std::move(what), std::move(pieces_), divisor_);
   }
 
   // Counts the call and its copies in: once the communicator has taken it.
@@ -121,10 +135,38 @@ class StagingBackend::Call {
   }
 
  private:
+  template <typename F>
+  static Tensors each(const Tensors& tensors, F&& stage) {
+    Tensors staged;
+    staged.reserve(tensors.size());
+    for (const auto& tensor : tensors) staged.push_back(stage(tensor));
+    return staged;
+  }
+  static int64_t total(const Tensors& list) {
+    int64_t numel = 0;
+    for (const auto& tensor : list) numel += tensor.numel();
+    return numel;
+  }
+  // The list's tensors end to end, where they are (on the host for CPU tensors): no transfer.
+  static at::Tensor joined(const Tensors& list) {
+    Tensors flat;
+    flat.reserve(list.size());
+    for (const auto& tensor : list) flat.push_back(tensor.reshape(-1));
+    return at::cat(flat);
+  }
+  static Tensors views(const at::Tensor& flat, const Tensors& like) {
+    Tensors parts;
+    int64_t offset = 0;
+    for (const auto& tensor : like) {
+      parts.push_back(flat.narrow(0, offset, tensor.numel()).view(tensor.sizes()));
+      offset += tensor.numel();
+    }
+    return parts;
+  }
+
   const char* name_;
   at::Device target_;
-  Tensors callers_;
-  Tensors staged_;
+  std::vector<Piece> pieces_;
   int64_t divisor_ = 1;
   Tally copied_;
   std::string source_;
@@ -185,7 +227,8 @@ WorkPtr StagingBackend::endCoalescing() {
     works.clear();
     if (work) works.push_back(work);
   }
-  if (backs.empty()) backs.push_back(std::make_shared<WriteBack>("coalesced", "comm staged nothing", Tensors{}, Tensors{}, 1));
+  if (backs.empty()) backs.push_back(std::make_shared<WriteBack>("coalesced", "comm staged nothing",
+                                                                 std::vector<Piece>{}, 1));
   return c10::make_intrusive<StagedWork>(std::move(works), std::move(backs), c10d::OpType::COALESCED);
 }
 
@@ -239,6 +282,13 @@ WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions
 
 WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   Call call("all_reduce_coalesced", target_);
+  if (Call::flattens(tensors)) { // one flat buffer: one transfer each way, one all-reduce
+    Tensors staged{call.outFlat(tensors, /*reads=*/true)};
+    c10d::AllreduceOptions staged_opts = opts;
+    staged_opts.reduceOp = call.reduceOp(opts.reduceOp, staged, getSize());
+    return finish(call, c10d::OpType::ALLREDUCE_COALESCED,
+                  [&](c10d::Backend& comm) { return comm.allreduce(staged, staged_opts); });
+  }
   auto staged = call.out(tensors, /*reads=*/true);
   auto staged_opts = opts;
   staged_opts.reduceOp = call.reduceOp(opts.reduceOp, staged, getSize());
