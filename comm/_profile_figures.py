@@ -15,8 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 # The argument whose bytes are the message, as nccl-tests counts it: the whole gathered,
 # reduced-then-scattered or exchanged buffer (otherwise "tensor"; gather and scatter: n of it).
 MESSAGE_ARGUMENT = {"all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor",
-                    "reduce_scatter": "input_list", "reduce_scatter_tensor": "input", "all_to_all": "input_tensor_list",
-                    "all_to_all_single": "input"}
+                    "all_gather_single": "output_tensor", "all_gather_coalesced": "output_tensor_lists",
+                    "reduce_scatter": "input_list", "reduce_scatter_tensor": "input", "reduce_scatter_single": "input",
+                    "all_to_all": "input_tensor_list", "all_to_all_single": "input", "all_reduce_coalesced": "tensors"}
 
 
 def _ring(n: int) -> float:
@@ -29,7 +30,9 @@ def _ring(n: int) -> float:
 # never travels); broadcast, reduce and point-to-point move it once (the default, 1).
 _BUS_FACTOR: Dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * _ring(n),
-    **{name: _ring for name in ("all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+    "all_reduce_coalesced": lambda n: 2 * _ring(n),
+    **{name: _ring for name in ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced",
+                                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
                                 "all_to_all", "all_to_all_single", "gather", "scatter")},
 }
 

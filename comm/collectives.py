@@ -7,7 +7,9 @@ What they add to torch's: the group is equipped at its first call, so code that
 created it without comm still stages; ``ReduceOp.AVG`` runs as SUM then divide
 where the group's backend lacks it (:mod:`comm.gaps`); ``all_gather`` takes
 pieces of unequal sizes on every backend; and where the staging backend cannot
-be built, they stage in plain Python (:mod:`comm.fallback`).
+be built, they stage in plain Python (:mod:`comm.fallback`), as they do a call whose
+tensors lie on different devices (an NPU input gathered into CPU outputs), which
+c10d hands whole to the backend of the input's device.
 
 :data:`COLLECTIVES` describes each call once: the arguments it reads and those it
 writes. Everything else about a call is torch's.
@@ -29,6 +31,11 @@ class Collective(NamedTuple):
 
     reads: Tuple[str, ...]
     writes: Tuple[str, ...]
+
+    @property
+    def mixes(self) -> bool:
+        """Whether its tensors come in more than one argument, so that they may lie on different devices."""
+        return len({*self.reads, *self.writes}) > 1
 
 
 COLLECTIVES: Dict[str, Collective] = {
@@ -77,7 +84,8 @@ def _explicit(name: str) -> Callable[..., Any]:
         if torch.compiler.is_compiling():
             return torch_call(*args, **kwargs)  # dynamo turns it into a functional collective
         call = torch_call if gap is None else functools.partial(_fill, gap, torch_call)
-        if slot.ready(fallback.group_of(name, torch_call, args, kwargs)):
+        if slot.ready(fallback.group_of(name, torch_call, args, kwargs)) and not (
+                collective.mixes and fallback.mixes_devices(args, kwargs)):
             return call(*args, **kwargs)
         return fallback.run(name, collective, torch_call, call, args, kwargs)
 

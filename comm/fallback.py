@@ -1,8 +1,9 @@
 """Staging in plain Python, for where comm's staging backend cannot be built.
 
 Without a C++ compiler, or on a torch the backend does not support, c10d has no
-backend for the devices a group's own backend does not serve. comm's explicit
-calls then stage themselves: each tensor on such a device is copied onto the
+backend for the devices a group's own backend does not serve; and c10d hands a call
+whose tensors lie on different devices whole to the backend of its input's device.
+comm's explicit calls then stage themselves: each tensor on such a device is copied onto the
 group's device, torch's call runs on the copies, and what the call writes is
 copied back into the caller's tensors (after ``wait()`` for an async call). Nothing
 is written when the call fails. Code that calls torch directly is not staged.
@@ -21,7 +22,7 @@ from comm.backend import _resolve_group, _served_types
 from comm.observability import count_staged
 from comm.work import DeferredWork
 
-__all__ = ["group_of", "run"]
+__all__ = ["group_of", "mixes_devices", "run"]
 
 _GROUP_INDEX: Dict[str, int] = {}
 _ASYNC = ("isend", "irecv")
@@ -40,14 +41,31 @@ def group_of(name: str, torch_call: Callable[..., Any], args: Any, kwargs: Any) 
     return args[index] if len(args) > index else None
 
 
+def mixes_devices(args: Any, kwargs: Any) -> bool:
+    """Whether a call's tensors (in any argument, or in lists) lie on more than one device type."""
+    seen = set()
+    for value in (*args, *kwargs.values()):
+        for tensor in _tensors_in(value):
+            seen.add(tensor.device.type)
+    return len(seen) > 1
+
+
+def _tensors_in(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensors_in(item)]
+    return []
+
+
 class _Copies:
     """The copies one call made: onto the group's device, and back into the caller's tensors."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
-        pg = _resolve_group(group)
-        self.served: FrozenSet[str] = _served_types(pg)
-        from comm.slot import target_device
+        from comm.slot import own_types, target_device
 
+        pg = _resolve_group(group)
+        self.served: FrozenSet[str] = own_types(pg) or _served_types(pg)
         self.target = target_device(pg, self.served)
         self.moved = 0
         self.bytes = 0

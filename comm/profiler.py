@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import sys
 import threading
 import time
@@ -39,25 +40,9 @@ from comm.work import TimedWork
 
 __all__ = ["Profile", "profile"]
 
-# Each timed function's leading parameters, in order: torch.distributed's signatures.
+# Each timed function's parameters, in order: torch.distributed's signatures.
 _SIGNATURES: Dict[str, Tuple[str, ...]] = {
-    "all_reduce": ("tensor", "op", "group", "async_op"),
-    "broadcast": ("tensor", "src", "group", "async_op"),
-    "reduce": ("tensor", "dst", "op", "group", "async_op"),
-    "all_gather": ("tensor_list", "tensor", "group", "async_op"),
-    "all_gather_into_tensor": ("output_tensor", "input_tensor", "group", "async_op"),
-    "reduce_scatter": ("output", "input_list", "op", "group", "async_op"),
-    "reduce_scatter_tensor": ("output", "input", "op", "group", "async_op"),
-    "barrier": ("group", "async_op"),
-    "gather": ("tensor", "gather_list", "dst", "group", "async_op"),
-    "scatter": ("tensor", "scatter_list", "src", "group", "async_op"),
-    "all_to_all": ("output_tensor_list", "input_tensor_list", "group", "async_op"),
-    "all_to_all_single": ("output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"),
-    "send": ("tensor", "dst", "group"),
-    "recv": ("tensor", "src", "group"),
-    "isend": ("tensor", "dst", "group"),
-    "irecv": ("tensor", "src", "group"),
-    "batch_isend_irecv": ("p2p_op_list",),
+    name: tuple(inspect.signature(function).parameters) for name, function in collectives.TORCH.items()
 }
 _ALWAYS_ASYNC = frozenset({"isend", "irecv", "batch_isend_irecv"})
 
@@ -69,7 +54,11 @@ def _a_tensor(name: str, arguments: Dict[str, Any]) -> Optional[torch.Tensor]:
     if name == "batch_isend_irecv":
         return arguments["p2p_op_list"][0].tensor if arguments["p2p_op_list"] else None
     value: Any = arguments[MESSAGE_ARGUMENT.get(name, "tensor")]
-    tensor: Optional[torch.Tensor] = value[0] if type(value) is list and value else value
+    while isinstance(value, (list, tuple)):
+        if not value:
+            return None
+        value = value[0]
+    tensor: Optional[torch.Tensor] = value
     return tensor
 
 

@@ -38,7 +38,7 @@ import torch.distributed.distributed_c10d as c10d
 from comm._native import STAGING
 from comm.backend import _backend_config, _backends_by_device, _GroupCache
 
-__all__ = ["equip", "existing_groups", "ready", "staged_types", "staging_device", "target_device",
+__all__ = ["equip", "existing_groups", "own_types", "ready", "staged_types", "staging_device", "target_device",
            "unavailable_reason"]
 
 # torch's private names this module uses, each because no public API does the job
@@ -140,10 +140,15 @@ def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = No
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     pg = _resolve(group)
-    served = _registered_types(pg) - staged_types(pg)
+    served = own_types(pg)
     if tensor.device.type in served:
         return None
     return target_device(pg, served)
+
+
+def own_types(group: dist.ProcessGroup) -> FrozenSet[str]:
+    """The device types ``group``'s own backends serve: those it lists, less comm's."""
+    return _registered_types(group) - staged_types(group)
 
 
 def _resolve(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:

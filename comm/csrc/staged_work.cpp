@@ -41,13 +41,14 @@ int64_t nowNs() {
       .count();
 }
 
-WriteBack::WriteBack(std::string name, std::string what, std::vector<Piece> pieces, int64_t divisor)
-    : name_(std::move(name)), what_(std::move(what)), pieces_(std::move(pieces)), divisor_(divisor) {
-  for (const auto& piece : pieces_) callers_.insert(callers_.end(), piece.callers.begin(), piece.callers.end());
-}
+WriteBack::WriteBack(std::string name, std::string what, std::vector<Piece> pieces, Tensors results,
+                     int64_t divisor)
+    : name_(std::move(name)), what_(std::move(what)), pieces_(std::move(pieces)), results_(std::move(results)),
+      divisor_(divisor) {}
 
 void WriteBack::write() {
   std::call_once(once_, [this] {
+    at::AutoDispatchBelowADInplaceOrView belowAutograd; // as torch's backends write their outputs
     Tally copied;
     auto start = nowNs();
     for (auto& piece : pieces_) {
@@ -120,7 +121,7 @@ int StagedWork::sourceRank() const {
 
 Tensors StagedWork::result() {
   Tensors all;
-  for (const auto& back : backs_) all.insert(all.end(), back->callers().begin(), back->callers().end());
+  for (const auto& back : backs_) all.insert(all.end(), back->results().begin(), back->results().end());
   return all;
 }
 
@@ -164,7 +165,7 @@ c10::intrusive_ptr<c10::ivalue::Future> StagedWork::getFuture() {
         Tensors callers;
         for (const auto& back : backs) {
           back->write();
-          callers.insert(callers.end(), back->callers().begin(), back->callers().end());
+          callers.insert(callers.end(), back->results().begin(), back->results().end());
         }
         return c10::IValue(callers);
       },

@@ -57,11 +57,12 @@ struct Piece {
 // work's future, is_completed()); never written when the collective failed.
 class WriteBack {
  public:
-  WriteBack(std::string name, std::string what, std::vector<Piece> pieces, int64_t divisor);
+  // `results`: the caller's tensors the work reports as its result (torch's: the outputs).
+  WriteBack(std::string name, std::string what, std::vector<Piece> pieces, Tensors results, int64_t divisor);
 
   void write();
   bool written() const { return written_.load(); }
-  const Tensors& callers() const { return callers_; }
+  const Tensors& results() const { return results_; }
   // Says what was staged, for an error raised by the collective.
   const std::string& what() const { return what_; }
 
@@ -69,7 +70,7 @@ class WriteBack {
   std::string name_;
   std::string what_;
   std::vector<Piece> pieces_;
-  Tensors callers_;
+  Tensors results_;
   int64_t divisor_;
   std::once_flag once_;
   std::atomic<bool> written_{false};

@@ -52,6 +52,7 @@ class StagingBackend::Call {
   at::Tensor out(const at::Tensor& tensor, bool reads = false) {
     auto staged = reads ? in(tensor) : at::empty(tensor.sizes(), tensor.options().device(target_));
     pieces_.push_back(Piece{{tensor}, staged});
+    results_.push_back(tensor);
     if (source_.empty()) source_ = tensor.device().str();
     return staged;
   }
@@ -69,8 +70,15 @@ class StagingBackend::Call {
   at::Tensor outFlat(const Tensors& list, bool reads) {
     auto staged = reads ? in(joined(list)) : at::empty({total(list)}, list.front().options().device(target_));
     pieces_.push_back(Piece{list, staged});
+    results_.insert(results_.end(), list.begin(), list.end());
     if (source_.empty()) source_ = list.front().device().str();
     return staged;
+  }
+  // Tensors the collective only reads, which its work still reports as its result
+  // (a broadcast's source, a reduce's non-destination ranks), as torch's work does.
+  Tensors inReported(const Tensors& list) {
+    results_.insert(results_.end(), list.begin(), list.end());
+    return in(list);
   }
   TensorLists in(const TensorLists& lists) {
     TensorLists staged;
@@ -125,7 +133,7 @@ class StagingBackend::Call {
     std::string what = c10::str(
         "comm staged ", name_, ": ", copied_.transfers, " tensor(s), ", copied_.bytes, " bytes, ",
         source_.empty() ? "-" : source_, " -> ", target_.str(), "; the caller's tensors were not written");
-    return std::make_shared<WriteBack>(name_, std::move(what), std::move(pieces_), divisor_);
+    return std::make_shared<WriteBack>(name_, std::move(what), std::move(pieces_), std::move(results_), divisor_);
   }
 
   // Counts the call and its copies in: once the communicator has taken it.
@@ -164,9 +172,13 @@ class StagingBackend::Call {
     return parts;
   }
 
+  // Staging is the collective's own work, below autograd as torch's backends write:
+  // no graph for the copies, no version bump, inference tensors included.
+  at::AutoDispatchBelowADInplaceOrView belowAutograd_;
   const char* name_;
   at::Device target_;
   std::vector<Piece> pieces_;
+  Tensors results_;
   int64_t divisor_ = 1;
   Tally copied_;
   std::string source_;
@@ -228,7 +240,7 @@ WorkPtr StagingBackend::endCoalescing() {
     if (work) works.push_back(work);
   }
   if (backs.empty()) backs.push_back(std::make_shared<WriteBack>("coalesced", "comm staged nothing",
-                                                                 std::vector<Piece>{}, 1));
+                                                                 std::vector<Piece>{}, Tensors{}, 1));
   return c10::make_intrusive<StagedWork>(std::move(works), std::move(backs), c10d::OpType::COALESCED);
 }
 
@@ -268,7 +280,7 @@ WorkPtr StagingBackend::finish(Call& call, c10d::OpType type, const std::functio
 WorkPtr StagingBackend::broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) {
   Call call("broadcast", target_);
   // The source's tensors are only read: nothing comes back to them.
-  auto staged = getRank() == opts.rootRank ? call.in(tensors) : call.out(tensors, /*reads=*/true);
+  auto staged = getRank() == opts.rootRank ? call.inReported(tensors) : call.out(tensors, /*reads=*/true);
   return finish(call, c10d::OpType::BROADCAST, [&](c10d::Backend& comm) { return comm.broadcast(staged, opts); });
 }
 
@@ -299,7 +311,7 @@ WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::Allred
 WorkPtr StagingBackend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts) {
   Call call("reduce", target_);
   // Only the destination's tensors are written.
-  auto staged = getRank() == opts.rootRank ? call.out(tensors, /*reads=*/true) : call.in(tensors);
+  auto staged = getRank() == opts.rootRank ? call.out(tensors, /*reads=*/true) : call.inReported(tensors);
   auto staged_opts = opts;
   staged_opts.reduceOp = call.reduceOp(opts.reduceOp, staged, getSize());
   return finish(call, c10d::OpType::REDUCE, [&](c10d::Backend& comm) { return comm.reduce(staged, staged_opts); });

@@ -21,7 +21,7 @@ record the host's time, so timing events measure host time);
 operators run the CPU's kernels (its dtypes, numerics and errors); device random
 numbers come from the CPU generator (no ``torch.Generator("npu")``); collectives
 run on gloo (what gloo lacks fails with gloo's error; ``unsupported_ops`` adds the
-refusals of a real part); ``memory_reserved`` counts bytes allocated on a device since
+refusals of a real part, and :func:`fail_next` a broken link's failures); ``memory_reserved`` counts bytes allocated on a device since
 its last ``empty_cache``, with no caching and no out-of-memory; pinned memory is
 ordinary host memory that remembers it was pinned. It needs torch >= 2.13 (its
 headers are what the C++ is written against), a C++ compiler and ninja.
@@ -37,9 +37,10 @@ import torch.distributed as dist
 
 from comm._native import SIMULATED
 from comm.testing import _device, _process_group
-from comm.testing._device import counters, reset_counters
+from comm.testing._device import FAILURE_MODES, counters, fail_next, reset_counters
 
-__all__ = ["can_simulate", "counters", "offloaded", "reset_counters", "simulate_accelerator", "simulated_accelerator"]
+__all__ = ["FAILURE_MODES", "can_simulate", "counters", "fail_next", "offloaded", "reset_counters",
+           "simulate_accelerator", "simulated_accelerator"]
 
 _LOCK = threading.Lock()
 _ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any]]] = None

@@ -36,6 +36,25 @@ def reset_counters() -> None:
     _core().reset_counters()
 
 
+FAILURE_MODES = ("raise", "fail_wait")
+
+
+def fail_next(mode: str, calls: int = 1) -> None:
+    """Make the next ``calls`` collectives of the simulated backend fail, as a broken link does.
+
+    ``mode`` is ``"raise"`` (the call raises ``injected backend failure (on call N)``
+    when issued) or ``"fail_wait"`` (its work's ``wait()`` and future raise
+    ``injected backend failure (on wait)``). Calls are counted across every simulated
+    backend of the process, comm's staging communicators included; ``calls=0`` ends
+    the failures.
+    """
+    if mode not in FAILURE_MODES:
+        raise ValueError(f"mode must be one of {FAILURE_MODES}, got {mode!r}")
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+        raise ValueError(f"calls must be a non-negative int, got {calls!r}")
+    _core().fail_next(mode == "fail_wait", calls)
+
+
 def install_device(name: str, device_count: int) -> None:
     """Load the C++ device, rename PrivateUse1 to ``name`` and install ``torch.<name>``."""
     global _NAME

@@ -8,6 +8,7 @@
 // Each collective runs with a gloo backend on host views of the device tensors.
 #include <algorithm>
 #include <cctype>
+#include <mutex>
 
 #include "simulated.h"
 
@@ -18,24 +19,60 @@ using Tensors = std::vector<at::Tensor>;
 using TensorLists = std::vector<std::vector<at::Tensor>>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
+// Failures injected on purpose (comm.testing.fail_next): calls numbered [from, to),
+// counted across every simulated backend of the process, fail when issued or on wait,
+// as a link that breaks does.
+struct FaultPlan {
+  std::mutex mutex;
+  int64_t calls = 0;
+  int64_t from = 0;
+  int64_t to = 0;
+  bool on_wait = false;
+};
+FaultPlan faults;
+
+// Whether this call fails on wait; raises now for a call that fails when issued.
+bool injected_fault(const WorkPtr& host) {
+  int64_t call = 0;
+  bool on_wait = false;
+  {
+    std::lock_guard<std::mutex> lock(faults.mutex);
+    call = ++faults.calls;
+    if (call < faults.from || call >= faults.to) return false;
+    on_wait = faults.on_wait;
+  }
+  if (on_wait) return true;
+  host->wait(); // the peers' matching collective has run: leave nothing in flight
+  TORCH_CHECK(false, "injected backend failure (on call ", call, ")");
+}
+
+std::exception_ptr injected_on_wait() {
+  return std::make_exception_ptr(c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, "injected backend failure (on wait)"));
+}
+
 // The host collective's work, reporting the device tensors as its result.
 class DeviceWork final : public c10d::Work {
  public:
-  DeviceWork(WorkPtr host, Tensors outputs, c10d::OpType type)
-      : Work(-1, type), host_(std::move(host)), outputs_(std::move(outputs)) {}
+  DeviceWork(WorkPtr host, Tensors outputs, c10d::OpType type, bool fails)
+      : Work(-1, type), host_(std::move(host)), outputs_(std::move(outputs)), fails_(fails) {}
 
   bool isCompleted() override { return host_->isCompleted(); }
-  bool isSuccess() const override { return host_->isSuccess(); }
-  std::exception_ptr exception() const override { return host_->exception(); }
+  bool isSuccess() const override { return !fails_ && host_->isSuccess(); }
+  std::exception_ptr exception() const override { return fails_ ? injected_on_wait() : host_->exception(); }
   int sourceRank() const override { return host_->sourceRank(); }
   Tensors result() override { return outputs_; }
   void synchronize() override { host_->synchronize(); }
-  bool wait(std::chrono::milliseconds timeout) override { return host_->wait(timeout); }
+  bool wait(std::chrono::milliseconds timeout) override {
+    auto done = host_->wait(timeout);
+    if (fails_) std::rethrow_exception(injected_on_wait());
+    return done;
+  }
   void abort() override { host_->abort(); }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     return host_->getFuture()->then(
-        [outputs = outputs_](c10::ivalue::Future& done) {
+        [outputs = outputs_, fails = fails_](c10::ivalue::Future& done) {
           done.value(); // rethrows the collective's error into the returned future
+          if (fails) std::rethrow_exception(injected_on_wait());
           return c10::IValue(outputs);
         },
         c10::ListType::create(c10::TensorType::get()));
@@ -44,6 +81,7 @@ class DeviceWork final : public c10d::Work {
  private:
   WorkPtr host_;
   Tensors outputs_;
+  bool fails_;
 };
 
 class SimulatedBackend final : public c10d::Backend {
@@ -197,7 +235,8 @@ class SimulatedBackend final : public c10d::Backend {
 
   static WorkPtr done(WorkPtr host, Tensors outputs, c10d::OpType type) {
     ++collectives;
-    return c10::make_intrusive<DeviceWork>(std::move(host), std::move(outputs), type);
+    bool fails = injected_fault(host);
+    return c10::make_intrusive<DeviceWork>(std::move(host), std::move(outputs), type, fails);
   }
 
   c10::intrusive_ptr<c10d::Backend> host_;
@@ -206,6 +245,13 @@ class SimulatedBackend final : public c10d::Backend {
 };
 
 } // namespace
+
+void fail_next(bool on_wait, int64_t calls) {
+  std::lock_guard<std::mutex> lock(faults.mutex);
+  faults.from = faults.calls + 1;
+  faults.to = faults.from + calls;
+  faults.on_wait = on_wait;
+}
 
 c10::intrusive_ptr<c10d::Backend> make_backend(
     c10::intrusive_ptr<c10d::Backend> host, std::string name, std::map<int64_t, std::string> unsupported_ops) {

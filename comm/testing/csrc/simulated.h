@@ -30,4 +30,7 @@ c10::intrusive_ptr<c10d::Backend> make_backend(
     std::string name,
     std::map<int64_t, std::string> unsupported_ops);
 
+// The next `calls` collectives of any simulated backend fail: when issued, or on wait.
+void fail_next(bool on_wait, int64_t calls);
+
 } // namespace comm_sim
