@@ -135,7 +135,8 @@ def staged_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
 def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> Optional[torch.device]:
     """None when ``group``'s own backend serves ``tensor``'s device; else the device its calls are staged onto.
 
-    A device without an index is the calling thread's current device of that type.
+    That is the group's bound device, else the calling thread's current device of
+    this process's accelerator where the group serves it, else the CPU.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -143,7 +144,13 @@ def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = No
     served = own_types(pg)
     if tensor.device.type in served:
         return None
-    return target_device(pg, served)
+    staged = [d for d in pg._device_types if d.type == tensor.device.type]
+    target = STAGING.load().staging_target(pg._get_backend(staged[0])) if staged else target_device(pg, served)
+    if target.index is None and target.type != "cpu":
+        from comm.device import current_device
+
+        return current_device(target.type)
+    return torch.device(target)
 
 
 def own_types(group: dist.ProcessGroup) -> FrozenSet[str]:
@@ -175,15 +182,16 @@ def _missing_types(served: FrozenSet[str]) -> List[str]:
 
 
 def target_device(pg: dist.ProcessGroup, served: FrozenSet[str]) -> torch.device:
-    """Where staged calls run: the group's bound device, else this process's accelerator if served, else the CPU.
+    """Where staged calls run: the group's bound device, else the device comm.bind() bound, else the CPU.
 
-    A device without an index means the calling thread's current device of that type.
+    Where neither is bound, this process's accelerator without an index: the current
+    device of the thread that makes the first staged call, fixed from then on.
     """
-    from comm.device import accelerator_type
+    from comm.device import accelerator_type, bound_device
 
-    bound = getattr(pg, "bound_device_id", None)
-    if bound is not None and bound.type in served:
-        return torch.device(bound)
+    for bound in (getattr(pg, "bound_device_id", None), bound_device()):
+        if bound is not None and bound.type in served:
+            return torch.device(bound)
     accelerator = accelerator_type()
     return torch.device(accelerator if accelerator in served else "cpu")
 

@@ -60,7 +60,7 @@ void WriteBack::write() {
         continue;
       }
       // A list: its flat buffer comes back in one transfer, then each tensor takes its part.
-      auto back = piece.staged.to(piece.callers.front().device());
+      auto back = at::_to_copy(piece.staged, piece.staged.options().device(piece.callers.front().device()));
       int64_t offset = 0;
       for (auto& caller : piece.callers) {
         caller.copy_(back.narrow(0, offset, caller.numel()).view(caller.sizes()));

@@ -140,6 +140,7 @@ class StagingBackend final : public c10d::Backend {
   WorkPtr recvAnysource(Tensors& tensors, int tag) override;
   WorkPtr barrier(const c10d::BarrierOptions& opts) override;
 
+  // Where staged calls run; a device without an index until the first staged call fixes it.
   const at::Device& target() const { return target_; }
 
  private:
@@ -147,6 +148,8 @@ class StagingBackend final : public c10d::Backend {
 
   // The communicator staged calls run on, made at the first one.
   c10d::Backend& communicator();
+  // The target device, fixed at the first staged call where it names no index.
+  const at::Device& stagingTarget();
   // Runs `issue` on a call's staged copies; hands back its work, or keeps it while coalescing.
   WorkPtr finish(Call& call, c10d::OpType type, const std::function<WorkPtr(c10d::Backend&)>& issue);
 

@@ -1,6 +1,7 @@
 // Every collective and point-to-point call of c10d's Backend, staged: copy the
 // caller's tensors onto the target device (one copy per tensor), run the group
 // backend's own call on the copies, write the results back when the work completes.
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
@@ -39,8 +40,8 @@ class StagingBackend::Call {
   // A copy of `tensor` on the target device, for the collective to read.
   at::Tensor in(const at::Tensor& tensor) {
     auto start = nowNs();
-    auto staged = at::empty(tensor.sizes(), tensor.options().device(target_));
-    staged.copy_(tensor);
+    auto staged = at::_to_copy(tensor, tensor.options().device(target_), /*non_blocking=*/false,
+                               at::MemoryFormat::Contiguous);
     copied_.nanoseconds += nowNs() - start;
     copied_.transfers += 1;
     copied_.bytes += static_cast<int64_t>(tensor.nbytes());
@@ -191,9 +192,19 @@ StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr
     : Backend(rank, size), target_(target), communicator_(std::move(communicator)),
       timeout_(kBackendDefaultTimeout) {}
 
+const at::Device& StagingBackend::stagingTarget() {
+  communicator();
+  return target_;
+}
+
 c10d::Backend& StagingBackend::communicator() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!communicator_) {
+    if (!target_.has_index() && !target_.is_cpu()) {
+      // The device the first staged call's thread is on: fixed from then on, for
+      // every thread (a checkpoint's background thread starts on device 0).
+      target_ = c10::impl::getDeviceGuardImpl(target_.type())->getDevice();
+    }
     TORCH_CHECK(factory_, "comm's staging backend has no communicator");
     communicator_ = factory_();
     factory_ = nullptr; // drop what the factory holds (Python objects) once it has made the communicator
@@ -278,14 +289,14 @@ WorkPtr StagingBackend::finish(Call& call, c10d::OpType type, const std::functio
 }
 
 WorkPtr StagingBackend::broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) {
-  Call call("broadcast", target_);
+  Call call("broadcast", stagingTarget());
   // The source's tensors are only read: nothing comes back to them.
   auto staged = getRank() == opts.rootRank ? call.inReported(tensors) : call.out(tensors, /*reads=*/true);
   return finish(call, c10d::OpType::BROADCAST, [&](c10d::Backend& comm) { return comm.broadcast(staged, opts); });
 }
 
 WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
-  Call call("all_reduce", target_);
+  Call call("all_reduce", stagingTarget());
   auto staged = call.out(tensors, /*reads=*/true);
   auto staged_opts = opts;
   staged_opts.reduceOp = call.reduceOp(opts.reduceOp, staged, getSize());
@@ -293,7 +304,7 @@ WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions
 }
 
 WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  Call call("all_reduce_coalesced", target_);
+  Call call("all_reduce_coalesced", stagingTarget());
   if (Call::flattens(tensors)) { // one flat buffer: one transfer each way, one all-reduce
     Tensors staged{call.outFlat(tensors, /*reads=*/true)};
     c10d::AllreduceOptions staged_opts = opts;
@@ -309,7 +320,7 @@ WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::Allred
 }
 
 WorkPtr StagingBackend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts) {
-  Call call("reduce", target_);
+  Call call("reduce", stagingTarget());
   // Only the destination's tensors are written.
   auto staged = getRank() == opts.rootRank ? call.out(tensors, /*reads=*/true) : call.inReported(tensors);
   auto staged_opts = opts;
@@ -318,7 +329,7 @@ WorkPtr StagingBackend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts
 }
 
 WorkPtr StagingBackend::allgather(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
-  Call call("all_gather", target_);
+  Call call("all_gather", stagingTarget());
   auto staged_in = call.in(inputs);
   auto staged_out = call.out(outputs);
   return finish(call, c10d::OpType::ALLGATHER,
@@ -326,7 +337,7 @@ WorkPtr StagingBackend::allgather(TensorLists& outputs, Tensors& inputs, const c
 }
 
 WorkPtr StagingBackend::_allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  Call call("all_gather_into_tensor", target_);
+  Call call("all_gather_into_tensor", stagingTarget());
   auto staged_in = call.in(input);
   auto staged_out = call.out(output);
   return finish(call, c10d::OpType::_ALLGATHER_BASE,
@@ -334,7 +345,7 @@ WorkPtr StagingBackend::_allgather_base(at::Tensor& output, at::Tensor& input, c
 }
 
 WorkPtr StagingBackend::allgather_coalesced(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
-  Call call("all_gather_coalesced", target_);
+  Call call("all_gather_coalesced", stagingTarget());
   auto staged_in = call.in(inputs);
   auto staged_out = call.out(outputs);
   return finish(call, c10d::OpType::ALLGATHER_COALESCED,
@@ -343,7 +354,7 @@ WorkPtr StagingBackend::allgather_coalesced(TensorLists& outputs, Tensors& input
 
 WorkPtr StagingBackend::allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                                         const c10d::AllgatherOptions& opts) {
-  Call call("all_gather_into_tensor_coalesced", target_);
+  Call call("all_gather_into_tensor_coalesced", stagingTarget());
   auto staged_in = call.in(inputs);
   auto staged_out = call.out(outputs);
   return finish(call, c10d::OpType::COALESCED, [&](c10d::Backend& comm) {
@@ -352,7 +363,7 @@ WorkPtr StagingBackend::allgather_into_tensor_coalesced(Tensors& outputs, Tensor
 }
 
 WorkPtr StagingBackend::gather(TensorLists& outputs, Tensors& inputs, const c10d::GatherOptions& opts) {
-  Call call("gather", target_);
+  Call call("gather", stagingTarget());
   auto staged_in = call.in(inputs);
   auto staged_out = call.out(outputs); // empty except on the root
   return finish(call, c10d::OpType::GATHER,
@@ -360,7 +371,7 @@ WorkPtr StagingBackend::gather(TensorLists& outputs, Tensors& inputs, const c10d
 }
 
 WorkPtr StagingBackend::scatter(Tensors& outputs, TensorLists& inputs, const c10d::ScatterOptions& opts) {
-  Call call("scatter", target_);
+  Call call("scatter", stagingTarget());
   auto staged_in = call.in(inputs); // empty except on the root
   auto staged_out = call.out(outputs);
   return finish(call, c10d::OpType::SCATTER,
@@ -368,7 +379,7 @@ WorkPtr StagingBackend::scatter(Tensors& outputs, TensorLists& inputs, const c10
 }
 
 WorkPtr StagingBackend::reduce_scatter(Tensors& outputs, TensorLists& inputs, const c10d::ReduceScatterOptions& opts) {
-  Call call("reduce_scatter", target_);
+  Call call("reduce_scatter", stagingTarget());
   auto staged_in = call.in(inputs);
   auto staged_out = call.out(outputs);
   auto staged_opts = opts;
@@ -379,7 +390,7 @@ WorkPtr StagingBackend::reduce_scatter(Tensors& outputs, TensorLists& inputs, co
 
 WorkPtr StagingBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                              const c10d::ReduceScatterOptions& opts) {
-  Call call("reduce_scatter_tensor", target_);
+  Call call("reduce_scatter_tensor", stagingTarget());
   auto staged_in = call.in(input);
   auto staged_out = call.out(output);
   auto staged_opts = opts;
@@ -390,7 +401,7 @@ WorkPtr StagingBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& inp
 
 WorkPtr StagingBackend::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                                         const c10d::ReduceScatterOptions& opts) {
-  Call call("reduce_scatter_tensor_coalesced", target_);
+  Call call("reduce_scatter_tensor_coalesced", stagingTarget());
   auto staged_in = call.in(inputs);
   auto staged_out = call.out(outputs);
   auto staged_opts = opts;
@@ -402,7 +413,7 @@ WorkPtr StagingBackend::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensor
 
 WorkPtr StagingBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
                                       std::vector<int64_t>& input_splits, const c10d::AllToAllOptions& opts) {
-  Call call("all_to_all_single", target_);
+  Call call("all_to_all_single", stagingTarget());
   auto staged_in = call.in(input);
   auto staged_out = call.out(output);
   return finish(call, c10d::OpType::ALLTOALL_BASE, [&](c10d::Backend& comm) {
@@ -411,7 +422,7 @@ WorkPtr StagingBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std
 }
 
 WorkPtr StagingBackend::alltoall(Tensors& outputs, Tensors& inputs, const c10d::AllToAllOptions& opts) {
-  Call call("all_to_all", target_);
+  Call call("all_to_all", stagingTarget());
   auto staged_in = call.in(inputs);
   auto staged_out = call.out(outputs);
   return finish(call, c10d::OpType::ALLTOALL,
@@ -419,19 +430,19 @@ WorkPtr StagingBackend::alltoall(Tensors& outputs, Tensors& inputs, const c10d::
 }
 
 WorkPtr StagingBackend::send(Tensors& tensors, int dst, int tag) {
-  Call call("send", target_);
+  Call call("send", stagingTarget());
   auto staged = call.in(tensors);
   return finish(call, c10d::OpType::SEND, [&](c10d::Backend& comm) { return comm.send(staged, dst, tag); });
 }
 
 WorkPtr StagingBackend::recv(Tensors& tensors, int src, int tag) {
-  Call call("recv", target_);
+  Call call("recv", stagingTarget());
   auto staged = call.out(tensors);
   return finish(call, c10d::OpType::RECV, [&](c10d::Backend& comm) { return comm.recv(staged, src, tag); });
 }
 
 WorkPtr StagingBackend::recvAnysource(Tensors& tensors, int tag) {
-  Call call("recv", target_);
+  Call call("recv", stagingTarget());
   auto staged = call.out(tensors);
   return finish(call, c10d::OpType::RECVANYSOURCE, [&](c10d::Backend& comm) {
     TORCH_CHECK(comm.getBackendName() != "nccl",
@@ -442,7 +453,7 @@ WorkPtr StagingBackend::recvAnysource(Tensors& tensors, int tag) {
 }
 
 WorkPtr StagingBackend::barrier(const c10d::BarrierOptions& opts) {
-  Call call("barrier", target_);
+  Call call("barrier", stagingTarget());
   return finish(call, c10d::OpType::BARRIER, [&](c10d::Backend& comm) { return comm.barrier(opts); });
 }
 
