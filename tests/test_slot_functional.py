@@ -1,4 +1,8 @@
-"""comm.functional: DTensor's functional collectives on CPU-offloaded shards, under comm.patch()."""
+"""comm.slot through the functional collectives: DTensor on CPU-offloaded shards, under comm.patch().
+
+The functional ops' kernels call the group's C++ methods, which c10d routes by
+device like every other call: comm registers no kernel of its own.
+"""
 
 import functools
 import itertools
@@ -15,7 +19,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
 
 import comm
-import comm.functional
 import comm.testing
 
 from multiproc import NPU, SEED_ERROR, run_ranks
@@ -92,8 +95,9 @@ def _offloaded_on_simulated_npu(rank, world_size):
     for name, call in _redistributions(rank, world_size, mesh, "cpu").items():
         seen["torch"][name] = _outcome(call)
     group_name = mesh.get_group().group_name
+    kernels = torch._C._dispatch_dump("_c10d_functional::all_reduce")
     with comm.patched():
-        seen["registered"] = "CPU:" in torch._C._dispatch_dump("_c10d_functional::all_reduce")
+        seen["staged"] = sorted(comm.staged_types(mesh.get_group()))
         for name, call in _redistributions(rank, world_size, mesh, "cpu").items():
             seen["patched"][name] = _outcome(call)
         npu_ops = _functional_ops(rank, world_size, group_name, f"npu:{rank}")
@@ -105,13 +109,13 @@ def _offloaded_on_simulated_npu(rank, world_size):
         # torchtitan's clip: torch's get_total_norm over offloaded gradient shards, then full_tensor()
         grads = [_on(g.chunk(world_size)[rank].clone(), mesh, [Shard(0)]) for g in (FULL, FULL.T.contiguous())]
         seen["norm"] = torch.nn.utils.get_total_norm(grads).full_tensor().item()
-    seen["unregistered"] = "CPU:" not in torch._C._dispatch_dump("_c10d_functional::all_reduce")
+    seen["kernels unchanged"] = torch._C._dispatch_dump("_c10d_functional::all_reduce") == kernels
     return seen
 
 
 def test_offloaded_shards_redistribute_under_the_patch_on_simulated_npu():
     for rank, seen in enumerate(run_ranks(_offloaded_on_simulated_npu, 2, backend="hccl", simulate=NPU)):
-        assert seen["registered"] and seen["unregistered"]
+        assert seen["staged"] == ["cpu"] and seen["kernels unchanged"]
         for name, (npu_device, npu_value) in seen["npu"].items():
             assert npu_device == "npu" and torch.equal(npu_value, _expected(name, rank, 2)), name  # as on hardware
             assert seen["torch"][name] == SEED_ERROR, name  # torch alone: the second seed
@@ -154,18 +158,16 @@ def _matrix(rank, mesh):
     return results
 
 
-def _matrix_with_and_without_kernels(rank, world_size):
+def _matrix_with_and_without_the_patch(rank, world_size):
     meshes = [init_device_mesh("cpu", (world_size,)), init_device_mesh("cpu", (2, world_size // 2))]
     plain = [_matrix(rank, mesh) for mesh in meshes]
     with comm.patched():
-        comm.functional.register()  # as in a process that also holds an nccl or hccl group
         patched = [_matrix(rank, mesh) for mesh in meshes]
-    return plain, patched, comm.functional.is_registered()
+    return plain, patched
 
 
-def test_dtensor_redistributions_on_gloo_are_bit_identical_through_comms_kernels():
-    for plain, patched, still_registered in run_ranks(_matrix_with_and_without_kernels, 4, timeout=300):
-        assert not still_registered
+def test_dtensor_redistributions_on_gloo_are_bit_identical_under_the_patch():
+    for plain, patched in run_ranks(_matrix_with_and_without_the_patch, 4, timeout=300):
         assert [len(m) for m in plain] == [len(m) for m in patched] and sum(len(m) for m in plain) > 100
         for ours, theirs in zip(itertools.chain(*patched), itertools.chain(*plain)):
             assert torch.equal(ours, theirs) and ours.dtype == theirs.dtype
@@ -183,12 +185,11 @@ def _all_reduce_then_wait(tensor: torch.Tensor, group_name: str, issued: List[bo
 
 def _failure_reaches_wait_tensor(rank, world_size):
     """A staged functional collective whose backend fails: wait_tensor raises, nothing is silently wrong."""
-    from faults import failure_problems, register_faulty_backend
+    from faults import failure_problems
 
-    register_faulty_backend()
     with comm.patched():
-        group = dist.new_group([0, 1], backend="faulty")  # serves only the NPU: comm registers its kernels
-        seen = {"registered": comm.functional.is_registered(), "issued": []}
+        group = dist.new_group([0, 1])  # serves only the NPU: comm stages its CPU tensors
+        seen = {"staged": sorted(comm.staged_types(group)), "issued": []}
         tensor = torch.ones(3)
         call = functools.partial(_all_reduce_then_wait, tensor, group.group_name, seen["issued"])
         seen["problems"] = failure_problems("all_reduce", call, [tensor], group, "fail_wait")
@@ -198,7 +199,7 @@ def _failure_reaches_wait_tensor(rank, world_size):
 
 def test_a_failed_staged_functional_collective_raises_on_wait_tensor():
     for seen in run_ranks(_failure_reaches_wait_tensor, 2, backend="hccl", simulate=NPU):
-        assert seen["registered"]
+        assert seen["staged"] == ["cpu"]
         assert seen["issued"] == [True]  # the failure came from wait_tensor, not from issuing the collective
         assert seen["problems"] == []
         assert seen["next"] == [2.0, 2.0, 2.0]
