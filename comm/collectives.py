@@ -18,6 +18,7 @@ writes. Everything else about a call is torch's.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Dict, NamedTuple, Tuple
 
 import torch
@@ -90,6 +91,11 @@ def _explicit(name: str) -> Callable[..., Any]:
         return fallback.run(name, collective, torch_call, call, args, kwargs)
 
     explicit.__module__ = __name__
+    explicit.__comm_name__ = name  # type: ignore[attr-defined]
+    # torch's signature for help() and inspect, without __wrapped__: dynamo would take
+    # the wrapper for torch's own function and not trace into it.
+    explicit.__signature__ = inspect.signature(TORCH[name])  # type: ignore[attr-defined]
+    del explicit.__wrapped__  # type: ignore[attr-defined]
     return explicit
 
 
@@ -98,18 +104,18 @@ def _fill(gap: gaps.Gap, torch_call: Callable[..., Any], *args: Any, **kwargs: A
 
 
 def _torch_op(op: Any) -> Any:
-    """torch's isend or irecv for comm's."""
-    return {isend: dist.isend, irecv: dist.irecv}.get(op, op)
+    """torch's isend or irecv (as torch.distributed holds it now) for comm's; any other op as it is.
+
+    Told apart by the name each of comm's calls carries: dynamo cannot tell comm's
+    wrappers apart by identity (they share one code object).
+    """
+    name = getattr(op, "__comm_name__", None)
+    return op if name is None else getattr(dist, name)
 
 
-class P2POp(dist.P2POp):
-    """torch's ``P2POp``, also built with ``comm.isend`` or ``comm.irecv``."""
-
-    def __new__(cls, op: Any, *args: Any, **kwargs: Any) -> "P2POp":
-        return super().__new__(cls, _torch_op(op), *args, **kwargs)  # type: ignore[no-any-return]
-
-    def __init__(self, op: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(_torch_op(op), *args, **kwargs)
+def P2POp(op: Any, *args: Any, **kwargs: Any) -> dist.P2POp:  # noqa: N802 - torch's name for what it builds
+    """torch's ``P2POp`` (its arguments), also built with ``comm.isend`` or ``comm.irecv``."""
+    return dist.P2POp(_torch_op(op), *args, **kwargs)
 
 
 all_reduce = _explicit("all_reduce")
