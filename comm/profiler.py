@@ -325,11 +325,15 @@ def _close(block: Profile) -> None:
 def _install() -> None:
     """Put timing wrappers of torch's functions where torch.distributed and comm's calls look them up."""
     holders = [vars(dist), vars(c10d), collectives.TORCH]
+    # One timing wrapper per function, wherever it is held: torch compares functions by
+    # identity (P2POp's op against distributed_c10d.isend).
+    timed: Dict[int, Callable[..., Any]] = {}
     for holder in holders:
         for name in _SIGNATURES:
             if name in holder:
-                _SAVED.append((holder, name, holder[name]))
-                holder[name] = _timed(name, holder[name])
+                original = holder[name]
+                _SAVED.append((holder, name, original))
+                holder[name] = timed.setdefault(id(original), _timed(name, original))
 
 
 def profile_if_asked() -> None:

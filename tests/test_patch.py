@@ -1,4 +1,4 @@
-"""comm.patch: torch's collectives replaced in place, restored exactly, safely from threads."""
+"""comm.patch: every group equipped with comm's backend, torch's functions untouched, restored exactly, safe from threads."""
 
 import inspect
 import subprocess
@@ -17,12 +17,12 @@ import comm
 import thirdparty
 from multiproc import NPU, SEED_ERROR, run_ranks
 
-WRAPPED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce",
-           "all_gather_single", "reduce_scatter_single",
-           "all_reduce_coalesced", "gather", "scatter", "reduce_scatter", "all_to_all", "all_to_all_single", "barrier",
-           "send", "recv", "isend", "irecv", "batch_isend_irecv")
-PLACES = [(m, n) for m in (dist, c10d) for n in WRAPPED]
+# What comm.patch() replaces: where c10d creates groups, and clip_grad_norm_. torch's
+# collectives it leaves alone: c10d routes the staged devices' calls to comm's backend.
+CREATION = [(c10d, "_new_process_group_helper")]
+COLLECTIVES = [(m, n) for m in (dist, c10d) for n in ("all_reduce", "broadcast", "isend", "batch_isend_irecv")]
 CLIP_PLACES = [(torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_norm_")]
+PLACES = CREATION + CLIP_PLACES
 
 
 @pytest.fixture(autouse=True)
@@ -31,25 +31,24 @@ def restore_torch():
     comm.unpatch()
 
 
-def _snapshot():
-    return {(m.__name__, n): getattr(m, n) for m, n in PLACES + CLIP_PLACES}
+def _snapshot(places=PLACES + COLLECTIVES):
+    return {(m.__name__, n): getattr(m, n) for m, n in places}
 
 
 def test_patch_and_unpatch_restore_the_exact_objects():
     originals = _snapshot()
     comm.patch()
     assert comm.is_patched()
-    for (module_name, name), original in originals.items():
+    for (module_name, name), original in _snapshot(PLACES).items():
         stand_in = getattr(sys.modules[module_name], name)
-        assert stand_in is not original
-        assert stand_in.__name__ == original.__name__ and stand_in.__doc__ == original.__doc__
-        assert inspect.signature(stand_in) == inspect.signature(original)
-        assert stand_in.__comm_replaces__ is original
-    # One stand-in per function, in both modules: torch's P2POp compares op against c10d.isend.
-    assert all(getattr(dist, name) is getattr(c10d, name) for name in WRAPPED)
+        replaced = originals[(module_name, name)]
+        assert stand_in is not replaced and stand_in.__comm_replaces__ is replaced
+        assert stand_in.__name__ == replaced.__name__ and stand_in.__doc__ == replaced.__doc__
+        assert inspect.signature(stand_in) == inspect.signature(replaced)
+    assert all(_snapshot(COLLECTIVES)[key] is originals[key] for key in _snapshot(COLLECTIVES))  # torch's own
     comm.unpatch()
     assert not comm.is_patched()
-    assert _snapshot() == originals and all(_snapshot()[k] is v for k, v in originals.items())
+    assert all(_snapshot()[k] is v for k, v in originals.items())
 
 
 def test_patch_is_idempotent_and_clip_is_optional():
@@ -60,7 +59,7 @@ def test_patch_is_idempotent_and_clip_is_optional():
     comm.patch(clip_grad_norm=False)
     assert _snapshot() == first
     comm.patch()  # adds the clip patch, keeps the rest
-    assert dist.all_reduce is first[("torch.distributed", "all_reduce")]
+    assert c10d._new_process_group_helper is first[(c10d.__name__, "_new_process_group_helper")]
     assert torch.nn.utils.clip_grad_norm_.__comm_replaces__ is originals[("torch.nn.utils", "clip_grad_norm_")]
     comm.unpatch()
     assert all(_snapshot()[k] is v for k, v in originals.items())
@@ -69,16 +68,16 @@ def test_patch_is_idempotent_and_clip_is_optional():
 
 
 def test_patched_context_manager_nests():
-    original = dist.all_reduce
+    original = c10d._new_process_group_helper
     with comm.patched():
-        outer = dist.all_reduce
+        outer = c10d._new_process_group_helper
         with comm.patched():
-            assert dist.all_reduce is outer  # already patched: the inner block adds nothing
-        assert dist.all_reduce is outer
+            assert c10d._new_process_group_helper is outer  # already patched: the inner block adds nothing
+        assert c10d._new_process_group_helper is outer
         with comm.patched(clip_grad_norm=False):
             pass
         assert comm.is_patched()
-    assert dist.all_reduce is original and not comm.is_patched()
+    assert c10d._new_process_group_helper is original and not comm.is_patched()
 
 
 def _threads_patching_and_calling(rank, world_size):
@@ -106,6 +105,8 @@ def _threads_patching_and_calling(rank, world_size):
         thread.join()
     comm.patch()
     no_double_wrap = all(getattr(m, n).__comm_replaces__ is originals[(m.__name__, n)] for m, n in PLACES)
+    group = dist.new_group([0])  # made while patched
+    no_double_wrap = no_double_wrap and not comm.staged_types(group)  # a CPU-only process: nothing to stage
     comm.unpatch()
     restored = all(_snapshot()[k] is v for k, v in originals.items())
     return errors, len(results), all(results), no_double_wrap, restored
@@ -139,33 +140,30 @@ def test_third_party_code_fails_unpatched_and_works_patched_on_simulated_hccl():
 
 
 def _groups_created_while_patched(rank, world_size):
-    """Under the patch c10d creates groups as usual, on member and non-member ranks alike, and comm registers its
-    functional kernels once a group that does not serve the CPU exists (here, an hccl one)."""
+    """Under the patch c10d creates groups as usual, on member and non-member ranks alike, and comm equips each."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    import comm.functional
-
-    seen = {}
+    seen = {"before": sorted(comm.staged_types())}  # the default group existed first: equipped by patch()
     with comm.patched():
-        seen["gloo only"] = comm.functional.is_registered()
+        seen["default"] = sorted(comm.staged_types())
         mesh = init_device_mesh("cpu", (2, 1))  # its size-1 dimension: groups this rank is not in
-        seen["mesh"] = mesh.shape
+        seen["mesh"] = (mesh.shape, [sorted(comm.staged_types(mesh.get_group(d))) for d in range(2)])
         outsider = dist.new_group([0], backend="hccl")  # rank 1 gets torch's NON_GROUP_MEMBER
         seen["member"] = outsider != dist.GroupMember.NON_GROUP_MEMBER
-        seen["after hccl subgroup"] = comm.functional.is_registered()
-        dist.new_group([0, 1], backend="hccl")
-        seen["after hccl group"] = comm.functional.is_registered()
-    seen["after unpatch"] = comm.functional.is_registered()
+        seen["outsider"] = sorted(comm.staged_types(outsider)) if seen["member"] else None
+        hccl = dist.new_group([0, 1], backend="hccl")
+        seen["hccl"] = sorted(comm.staged_types(hccl))
+    seen["after unpatch"] = sorted(comm.staged_types(dist.new_group([0, 1], backend="hccl")))
     return seen
 
 
 def test_groups_created_while_patched():
     results = run_ranks(_groups_created_while_patched, 2, backend="gloo", simulate=NPU)
     for rank, seen in enumerate(results):
-        assert seen["gloo only"] is False and seen["mesh"] == (2, 1)
-        assert seen["member"] == (rank == 0)
-        assert seen["after hccl subgroup"] == (rank == 0)  # only a member holds the new group
-        assert seen["after hccl group"] is True and seen["after unpatch"] is False
+        assert seen["before"] == [] and seen["default"] == ["npu"]  # gloo serves the CPU: comm stages the NPU
+        assert seen["mesh"] == ((2, 1), [["npu"], ["npu"]])
+        assert seen["member"] == (rank == 0) and seen["outsider"] == (["cpu"] if rank == 0 else None)
+        assert seen["hccl"] == ["cpu"] and seen["after unpatch"] == []
 
 
 def _python(code, **env):
@@ -176,7 +174,8 @@ def _python(code, **env):
 
 
 def test_comm_patch_environment_variable():
-    check = "import comm, torch.distributed as d; print(hasattr(d.all_reduce, '__comm_replaces__'))"
+    check = "import comm, torch.distributed.distributed_c10d as c; print(hasattr(c._new_process_group_helper, " \
+        "'__comm_replaces__'))"
     assert _python(check, COMM_PATCH="1").stdout.strip() == "True"
     assert _python(check, COMM_PATCH="0").stdout.strip() == "False"
     bad = _python(check, COMM_PATCH="maybe")
@@ -187,6 +186,8 @@ def test_comm_patch_environment_variable():
 # calls comm wraps that run on gloo: its all_to_all cases run on MPI only, its list reduce_scatter
 # cases on NCCL only, and its *_group cases need 8 ranks (tests/test_collectives.py covers those).
 TORCH_CASES = {
+    "all_reduce_coalesced": ["test_all_reduce_coalesced_sum", "test_all_reduce_coalesced_max",
+                             "test_all_reduce_coalesced_full_group_sum"],
     "gather": ["test_gather", "test_gather_checks", "test_gather_full_group"],
     "scatter": ["test_scatter", "test_scatter_checks", "test_scatter_full_group"],
     "send": ["test_send_recv", "test_send_recv_with_tag"],
@@ -199,11 +200,11 @@ TORCH_CASES = {
 TORCH_WORLD = 2
 
 
-@pytest.mark.parametrize("calls", [["gather", "scatter", "barrier"],
+@pytest.mark.parametrize("calls", [["all_reduce_coalesced", "gather", "scatter", "barrier"],
                                    ["send", "recv", "isend", "irecv", "batch_isend_irecv"]],
                          ids=["collectives", "point-to-point"])
 def test_torchs_own_distributed_tests_pass_patched(tmp_path, calls):
-    """torch's cases pass under COMM_PATCH=1, and in every rank comm's wrappers carried the calls."""
+    """torch's cases pass under COMM_PATCH=1 exactly as without it: every rank patched, nothing of torch's replaced."""
     import json
     import os
 
@@ -221,4 +222,3 @@ def test_torchs_own_distributed_tests_pass_patched(tmp_path, calls):
         for case in TORCH_CASES[call]:
             ranks = [json.loads((stats_dir / f"{case}.{rank}.json").read_text()) for rank in range(TORCH_WORLD)]
             assert all(seen["patched"] for seen in ranks), case
-            assert any(seen["stats"].get(call, {}).get("calls", 0) > 0 for seen in ranks), (case, ranks)

@@ -2,6 +2,7 @@
 #include <chrono>
 
 #include <ATen/core/ivalue.h>
+#include <ATen/record_function.h>
 
 #include "staging.h"
 
@@ -49,6 +50,7 @@ WriteBack::WriteBack(std::string name, std::string what, std::vector<Piece> piec
 void WriteBack::write() {
   std::call_once(once_, [this] {
     at::AutoDispatchBelowADInplaceOrView belowAutograd; // as torch's backends write their outputs
+    RECORD_FUNCTION("comm.write_back", std::vector<c10::IValue>());
     Tally copied;
     auto start = nowNs();
     for (auto& piece : pieces_) {

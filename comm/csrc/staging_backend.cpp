@@ -1,6 +1,7 @@
 // Every collective and point-to-point call of c10d's Backend, staged: copy the
 // caller's tensors onto the target device (one copy per tensor), run the group
 // backend's own call on the copies, write the results back when the work completes.
+#include <ATen/record_function.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -39,6 +40,7 @@ class StagingBackend::Call {
 
   // A copy of `tensor` on the target device, for the collective to read.
   at::Tensor in(const at::Tensor& tensor) {
+    RECORD_FUNCTION("comm.stage_in", std::vector<c10::IValue>());
     auto start = nowNs();
     auto staged = at::_to_copy(tensor, tensor.options().device(target_), /*non_blocking=*/false,
                                at::MemoryFormat::Contiguous);
