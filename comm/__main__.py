@@ -18,17 +18,17 @@ USAGE = """usage: python -m comm [--no-clip] script.py [args...]
        python -m comm [--no-clip] -m module [args...]
 
 Runs the script or module as __main__, with its own arguments, after comm.patch():
-torch.distributed's collectives and point-to-point calls (all_reduce, broadcast,
-all_gather, gather, scatter, all_to_all, send, recv, batch_isend_irecv and the
-rest) and torch.nn.utils.clip_grad_norm_ become comm's, which stage tensors onto
-a device the process group's backend serves.
+every process group gets comm's staging backend for the devices its own backend
+does not serve, so every collective and point-to-point call on a tensor there
+(from torch.distributed, DTensor, DDP, FSDP, DCP) is staged onto one it does; and
+torch.nn.utils.clip_grad_norm_ becomes comm's.
 
 options:
   --no-clip   leave torch.nn.utils.clip_grad_norm_ as it is
   -m MODULE   run a module, as python -m does
   -h, --help  show this message
 
-Code that imported a function by name before the patch keeps torch's original."""
+Code that imported clip_grad_norm_ by name before the patch keeps torch's."""
 
 
 def main(argv: Optional[List[str]] = None) -> None:

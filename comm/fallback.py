@@ -32,7 +32,7 @@ def group_of(name: str, torch_call: Callable[..., Any], args: Any, kwargs: Any) 
     """The ``group`` argument of a call (None for the default group), without binding every argument."""
     if name == "batch_isend_irecv":
         ops = args[0] if args else kwargs.get("p2p_op_list", ())
-        return ops[0].group if ops else None
+        return ops[0].group if isinstance(ops, list) and ops and isinstance(ops[0], dist.P2POp) else None
     if "group" in kwargs:
         return kwargs["group"]
     index = _GROUP_INDEX.get(name)
@@ -109,7 +109,7 @@ def run(name: str, collective: Any, torch_call: Callable[..., Any], call: Callab
         kwargs: Any) -> Any:
     """``call`` (with ``torch_call``'s signature) with every tensor on an unserved device staged onto a served one."""
     if name == "batch_isend_irecv":
-        return _batch(call, *args, **kwargs)
+        return _batch(call, *args, **kwargs) if group_of(name, torch_call, args, kwargs) else call(*args, **kwargs)
     bound = inspect.signature(torch_call).bind(*args, **kwargs)
     copies = _Copies(bound.arguments.get("group"))
     for parameter in dict.fromkeys((*collective.reads, *collective.writes)):

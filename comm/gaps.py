@@ -95,8 +95,11 @@ def _uneven_all_gather(torch_call: Callable[..., Any], args: Tuple[Any, ...], kw
 
 def _all_gather(torch_call: Callable[..., Any], tensor_list: List[torch.Tensor], tensor: torch.Tensor,
                 group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Any:
-    if all(piece.numel() == tensor.numel() for piece in tensor_list):
-        return torch_call(tensor_list, tensor, group, async_op)
+    uneven = isinstance(tensor_list, list) and isinstance(tensor, torch.Tensor) and all(
+        isinstance(piece, torch.Tensor) for piece in tensor_list) and any(
+        piece.numel() != tensor.numel() for piece in tensor_list)
+    if not uneven:
+        return torch_call(tensor_list, tensor, group, async_op)  # torch's call, and torch's errors
     pg = _resolve_group(group)
     if len(tensor_list) != pg.size():
         raise ValueError(f"tensor_list must have one tensor per rank ({pg.size()}), got {len(tensor_list)}")
