@@ -1,9 +1,11 @@
-"""FSDP2 with CPUOffloadPolicy, its gradients clipped with comm.clip_grad_norm_.
+"""FSDP2 with CPUOffloadPolicy, its gradients clipped by torch's own clip_grad_norm_.
 
 On the simulated NPU this is the FSDP offload report as users meet it on Ascend:
 FSDP2 computes on each rank's npu over hccl, and CPU offload leaves the sharded
 parameters and gradients on the CPU. torch's own clip then fails with the
-report's error; comm's clips and the model trains.
+report's error. Once comm.equip() puts comm's staging backend in the group's empty
+CPU slot, the same torch clip works and the model trains; comm.clip_grad_norm_
+gives the same norm with one collective for all the gradients.
 
     torchrun --standalone --nproc-per-node 2 examples/fsdp2_offload_clip.py
     torchrun --standalone --nproc-per-node 2 examples/fsdp2_offload_clip.py --no-simulate
@@ -62,7 +64,8 @@ def main() -> None:
     args = parser.parse_args()
     if not args.no_simulate:
         comm.testing.simulate_accelerator("npu", "hccl")
-    device = comm.init_process_group()  # npu:<local rank> over hccl when simulating, else cpu over gloo
+    device = comm.bind()  # npu:<local rank> when simulating, else cpu
+    dist.init_process_group(comm.default_backend(device.type))  # torch's own group: hccl, or gloo
     rank, world_size = dist.get_rank(), dist.get_world_size()
     offload = OffloadPolicy() if device.type == "cpu" else CPUOffloadPolicy()
     model = build_model(init_device_mesh(device.type, (world_size,)), offload)
@@ -79,18 +82,19 @@ def main() -> None:
             say(f"gradient shards on {grad.to_local().device.type}, mesh on {grad.device_mesh.device_type}")
             if device.type != "cpu":
                 say(torch_clip_outcome(list(model.parameters()), args.max_norm))
-            say(f"{'step':>4} {'loss':>10} {'grad norm':>10}   (comm.clip_grad_norm_)")
-        norm = comm.clip_grad_norm_(model.parameters(), args.max_norm)
+            staged = comm.equip()
+            say(f"comm.equip(): comm stages {', '.join(sorted(staged)) or 'nothing'} on the group")
+            say(f"{'step':>4} {'loss':>10} {'grad norm':>10} {'comm norm':>10}   (torch.nn.utils.clip_grad_norm_)")
+        ours = comm.total_norm([p.grad for p in model.parameters()])
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
         optimizer.step()
         optimizer.zero_grad()
         mean_loss = loss.detach().clone()
         comm.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
-        say(f"{step:>4} {mean_loss.item():>10.4f} {norm.item():>10.4f}")
-    staged = comm.stats().get("all_reduce", {})
-    say(
-        f"comm staged {staged.get('staged_calls', 0)} of {staged.get('calls', 0)} all_reduce calls "
-        f"({staged.get('bytes_staged', 0)} bytes moved between devices)"
-    )
+        say(f"{step:>4} {mean_loss.item():>10.4f} {norm.item():>10.4f} {ours.item():>10.4f}")
+    staged = comm.stats()
+    say("comm staged " + (", ".join(f"{figures['staged_calls']} {name}" for name, figures in staged.items())
+                          or "nothing") + f" ({sum(f['bytes_staged'] for f in staged.values())} bytes moved)")
     dist.destroy_process_group()
 
 

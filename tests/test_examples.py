@@ -76,9 +76,11 @@ def test_fsdp2_offload_example_shows_the_failure_then_trains():
     assert "FSDP2 on 2 ranks (hccl), computing on npu, parameters and gradients offloaded to the CPU" in result.stdout
     assert "gradient shards on cpu, mesh on npu" in result.stdout  # what CPUOffloadPolicy leaves
     assert f"torch.nn.utils.clip_grad_norm_ fails: RuntimeError: {SEED_ERROR}" in result.stdout
-    rows = re.findall(r"^\s+(\d)\s+(\d+\.\d+)\s+(\d+\.\d+)$", result.stdout, re.MULTILINE)
-    assert [int(step) for step, _, _ in rows] == [0, 1, 2, 3, 4]
-    assert re.search(r"comm staged 5 of 10 all_reduce calls \(\d+ bytes", result.stdout)
+    assert "comm.equip(): comm stages cpu on the group" in result.stdout
+    rows = re.findall(r"^\s+(\d)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)$", result.stdout, re.MULTILINE)
+    assert [int(step) for step, _, _, _ in rows] == [0, 1, 2, 3, 4]
+    assert all(torch_norm == comm_norm for _, _, torch_norm, comm_norm in rows)  # torch's clip, then comm's norm
+    assert re.search(r"comm staged 10 all_reduce \(\d+ bytes moved\)", result.stdout)
 
 
 def test_bind_and_reduce_on_cpu_and_simulated_npu():
