@@ -85,6 +85,16 @@ __all__ = [
 ]
 
 
+def _simulate_if_asked() -> None:
+    """``COMM_SIMULATE=npu`` (or ``npu:hccl``) sets up the simulated accelerator at ``import comm``."""
+    import os
+
+    if os.environ.get("COMM_SIMULATE", "").strip():
+        from comm.testing import simulate_from_environment
+
+        simulate_from_environment()
+
+
 def _patch_if_asked() -> None:
     """``COMM_PATCH=1`` in the environment patches torch at ``import comm``."""
     if _env_switch("COMM_PATCH", "1 or 0 (true/false, yes/no, on/off)") == "on":
@@ -93,5 +103,6 @@ def _patch_if_asked() -> None:
 
 warn_if_beside_jupyter()
 _compile.install()
+_simulate_if_asked()
 _patch_if_asked()
 profile_if_asked()

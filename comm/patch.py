@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from comm import collectives, exchange, functional, norm, p2p
+from comm import collectives, exchange, functional, norm, p2p, translate, translate_spawn
 
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
 
@@ -48,15 +48,20 @@ _ORIGINALS: Dict[Tuple[str, str], Any] = {}
 _STAND_INS: Dict[int, Callable[..., Any]] = {}
 
 
-def patch(clip_grad_norm: bool = True) -> None:
+def patch(clip_grad_norm: bool = True, devices: bool = True) -> None:
     """Replace torch's collectives (and, unless told not to, ``clip_grad_norm_``) with comm's.
 
-    Idempotent and thread-safe. Code that imported a function by name before the
-    patch (``from torch.distributed import all_reduce``) keeps torch's original.
+    With ``devices`` (the default), in a process without CUDA, CUDA-only calls act on
+    this process's accelerator or the CPU (:mod:`comm.translate`). Idempotent and
+    thread-safe. Code that imported a function by name before the patch (``from
+    torch.distributed import all_reduce``) keeps torch's original.
     """
-    if not isinstance(clip_grad_norm, bool):
-        raise TypeError(f"clip_grad_norm must be a bool, got {type(clip_grad_norm).__name__}")
+    for name, value in (("clip_grad_norm", clip_grad_norm), ("devices", devices)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     with _LOCK:
+        if devices:
+            translate.install()
         for module_name, name, replacement in _targets(clip_grad_norm):
             _install(module_name, name, replacement)
         if not hasattr(c10d, _CREATE_GROUP) or any(functional.needed(g) for g in list(c10d._world.pg_map)):
@@ -70,6 +75,7 @@ def unpatch() -> None:
             setattr(importlib.import_module(module_name), name, original)
             del _ORIGINALS[(module_name, name)]
         functional.unregister()
+        translate.uninstall()
 
 
 def is_patched() -> bool:
@@ -78,11 +84,12 @@ def is_patched() -> bool:
 
 
 @contextlib.contextmanager
-def patched(clip_grad_norm: bool = True) -> Iterator[None]:
+def patched(clip_grad_norm: bool = True, devices: bool = True) -> Iterator[None]:
     """Patch inside a ``with`` block; nests, and undoes only what it patched itself."""
     with _LOCK:
         before = set(_ORIGINALS)
-        patch(clip_grad_norm)
+        translated = translate.is_installed()
+        patch(clip_grad_norm, devices)
         added = set(_ORIGINALS) - before
     try:
         yield
@@ -93,6 +100,8 @@ def patched(clip_grad_norm: bool = True) -> Iterator[None]:
                 setattr(importlib.import_module(module_name), name, _ORIGINALS.pop(key))
             if not _ORIGINALS:
                 functional.unregister()
+            if not translated:
+                translate.uninstall()
 
 
 def _targets(clip_grad_norm: bool) -> List[Tuple[str, str, Callable[..., Any]]]:
@@ -101,6 +110,7 @@ def _targets(clip_grad_norm: bool) -> List[Tuple[str, str, Callable[..., Any]]]:
         targets += [(m, "clip_grad_norm_", norm.clip_grad_norm_) for m in _CLIP_MODULES]
     if hasattr(c10d, _CREATE_GROUP):
         targets.append((_C10D, _CREATE_GROUP, _create_group))
+    targets.append(("multiprocessing.spawn", "get_command_line", translate_spawn.get_command_line))
     return targets
 
 
