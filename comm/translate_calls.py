@@ -202,16 +202,30 @@ def _first_argument_type(original: Callable[..., Any], kind: str) -> Callable[..
 
 
 def _map_location(given: Any) -> Any:
-    """``torch.load``'s ``map_location`` with CUDA locations sent to the accelerator (or the CPU)."""
+    """``torch.load``'s ``map_location`` with CUDA locations sent to this process's device.
+
+    A checkpoint saved on ``cuda:N`` lands on this process's current accelerator
+    device (or the CPU) when ``map_location`` is None, a dict that does not map the
+    location, or a callable that returns None; a string or device is translated.
+    """
     from torch.serialization import default_restore_location
 
     def restore(storage: Any, location: str) -> Any:
-        return default_restore_location(storage, str(translated_device(location)))  # type: ignore[no-untyped-call]
+        if location.startswith("cuda"):
+            from comm.translate_cuda import current_device
+
+            location = str(translated_device(torch.device("cuda", current_device())))
+        return default_restore_location(storage, location)  # type: ignore[no-untyped-call]
 
     if given is None:
         return restore
     if isinstance(given, dict):
-        return lambda storage, location: restore(storage, str(given.get(location, location)))
+        def mapped(storage: Any, location: str) -> Any:
+            if location not in given:
+                return restore(storage, location)
+            return default_restore_location(storage, str(translated_device(given[location])))  # type: ignore[no-untyped-call]
+
+        return mapped
     if isinstance(given, (str, torch.device)):
         return translated_device(given)
     if callable(given):
