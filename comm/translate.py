@@ -41,11 +41,14 @@ _LOCK = threading.RLock()
 _ABSENT = object()
 # (id(owner), attribute) -> (owner, attribute, torch's original or _ABSENT).
 _ORIGINALS: Dict[Tuple[int, str], Tuple[Any, str, Any]] = {}
-_NOTED: Set[str] = set()
+NOTED: Set[str] = set()
 _CPU = torch.device("cpu")
 # (PrivateUse1's name when looked up, the device type CUDA calls go to).
 _target: Optional[Tuple[str, str]] = None
 _privateuse1_name: Callable[[], str] = torch._C._get_privateuse1_backend_name
+# [the device type translated to, {CUDA device or string: what it became}]: parsing a
+# device string costs more than the call it is given to.
+_translations: List[Any] = ["", {}]
 
 
 def cuda_present() -> bool:
@@ -93,21 +96,33 @@ def translated_device(device: Any) -> Any:
     if cls is str:
         if not device.startswith("cuda"):
             return device
-        parsed = torch.device(device)
-        if parsed.type != "cuda":
-            return device
     elif cls is torch.device:
         if device.type != "cuda":
             return device
-        parsed = device
     elif cls is int:
         return _CPU if target_type() == "cpu" else device
     else:
         return device
     kind = target_type()
-    if kind == "cpu":
-        return _CPU
-    return torch.device(kind) if parsed.index is None else torch.device(kind, parsed.index)
+    if kind != _translations[0]:
+        _translations[:] = [kind, {}]
+    cache: Dict[Any, Any] = _translations[1]
+    found = cache.get(device)
+    if found is None:
+        found = cache[device] = _translate(device, kind)
+    return found
+
+
+def _translate(given: Any, kind: str) -> Any:
+    """A CUDA device (or string) as the same kind of value on ``kind``: torch parses a string faster than a device."""
+    device = torch.device(given)  # torch's own error for a malformed string
+    if device.type != "cuda":  # a string such as "cuda_like" that torch parses as another type
+        return given
+    if kind != "cpu":
+        device = torch.device(kind) if device.index is None else torch.device(kind, device.index)
+    else:
+        device = _CPU
+    return str(device) if isinstance(given, str) else device
 
 
 def translated_type(device_type: Any) -> Any:
@@ -116,9 +131,9 @@ def translated_type(device_type: Any) -> Any:
 
 
 def note(kind: str, message: Callable[[], str]) -> None:
-    """Log what a kind of call became, the first time one is translated."""
-    if kind not in _NOTED:
-        _NOTED.add(kind)
+    """Log what a kind of call became, the first time one is translated (callers may check ``NOTED`` first)."""
+    if kind not in NOTED:
+        NOTED.add(kind)
         log.info("comm translated %s", message())
 
 
@@ -157,6 +172,7 @@ def uninstall() -> None:
         _ORIGINALS.clear()
         translate_cuda.keep_submodules()
         _target = None
+        _translations[:] = ["", {}]
 
 
 def is_installed() -> bool:

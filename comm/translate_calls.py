@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from comm.translate import note, target_type, targets_of, translated_device, translated_type
+from comm.translate import NOTED, note, target_type, targets_of, translated_device, translated_type
 
 __all__ = ["factory_names", "translated_backend", "targets"]
 
@@ -36,7 +36,8 @@ def factory_names() -> List[str]:
 
 
 def _changed(kind: str, given: Any, became: Any) -> None:
-    note(kind, lambda: f"{kind}(device={given!r}) into device={became!r}")
+    if kind not in NOTED:
+        note(kind, lambda: f"{kind}(device={given!r}) into device={became!r}")
 
 
 def _to(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
@@ -46,10 +47,12 @@ def _to(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
         if args:
             first = args[0]
-            translated = translated_device(first)
-            if translated is not first:
-                _changed(kind, first, translated)
-                args = (translated,) + args[1:]
+            if first.__class__ is not str or first.startswith("cuda"):  # (a string of another device: as is)
+                translated = translated_device(first)
+                if translated is not first:
+                    if kind not in NOTED:
+                        _changed(kind, first, translated)
+                    args = (translated,) + args[1:]
         if kwargs and "device" in kwargs:
             given = kwargs["device"]
             kwargs["device"] = translated_device(given)
@@ -60,17 +63,27 @@ def _to(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
     return to
 
 
+# Tensor.cuda's device index as the string translated_device caches ("cuda:N").
+_CUDA_INDEX = tuple(f"cuda:{index}" for index in range(64))
+
+
 def tensor_cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False,
                 memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
-    """``Tensor.cuda(device)`` (and so ``Module.cuda``): ``.to`` the accelerator's device ``device``."""
-    if device is None:
-        from comm.translate_cuda import current_device
+    """``Tensor.cuda(device)`` (and so ``Module.cuda``): ``.to`` the accelerator's device ``device``.
 
-        target = translated_device(torch.device("cuda", current_device()))
-    else:
-        target = translated_device(torch.device("cuda", device) if isinstance(device, int) else device)
+    No device means the current one: ``"cuda"`` becomes the accelerator's type, which
+    ``.to`` puts on its current device, as ``.cuda()`` does on CUDA.
+    """
+    if device is None:
+        device = "cuda"
+    elif device.__class__ is int:
+        device = _CUDA_INDEX[device] if 0 <= device < len(_CUDA_INDEX) else f"cuda:{device}"
+    target = translated_device(device)
     _changed("Tensor.cuda", device, target)
-    result: torch.Tensor = _tensor_to(self, target, non_blocking=non_blocking, memory_format=memory_format)
+    if memory_format is torch.preserve_format:
+        result: torch.Tensor = _tensor_to(self, target, non_blocking=non_blocking)
+    else:
+        result = _tensor_to(self, target, non_blocking=non_blocking, memory_format=memory_format)
     return result
 
 
@@ -91,7 +104,7 @@ def _factory(original: Callable[..., Any]) -> Callable[..., Any]:
     def factory(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
             given = kwargs.get("device")
-            if given is not None:
+            if given is not None and (given.__class__ is not str or given.startswith("cuda")):
                 became = kwargs["device"] = translated_device(given)
                 if became is not given:
                     _changed(name, given, became)

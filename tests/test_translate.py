@@ -19,7 +19,7 @@ from multiproc import error_of, quiet_env
 @pytest.fixture
 def translated():
     """comm.patch() for one test, with every note logged again."""
-    translate._NOTED.clear()
+    translate.NOTED.clear()
     comm.patch()
     assert translate.is_installed()
     yield
