@@ -79,7 +79,7 @@ def test_device_arguments_become_the_cpu(translated):
     cpu = torch.device("cpu")
     x = torch.ones(2)
     for device in ["cuda", "cuda:1", torch.device("cuda"), torch.device("cuda", 1), 0, 1]:
-        assert translate.translated_device(device) == cpu
+        assert torch.device(translate.translated_device(device)) == cpu
         assert x.to(device).device == cpu and x.to(device=device).device == cpu
         assert torch.zeros(2, device=device).device == cpu
         assert torch.nn.Linear(2, 2).to(device).weight.device == cpu
@@ -196,8 +196,8 @@ def test_each_kind_logs_one_info_line(translated, caplog):
             torch.cuda.set_device(0)
     lines = [record.getMessage() for record in caplog.records if record.name == "comm.translate"]
     assert lines == [
-        "comm translated Tensor.to(device='cuda') into device=device(type='cpu')",
-        "comm translated torch.zeros(device='cuda:0') into device=device(type='cpu')",
+        "comm translated Tensor.to(device='cuda') into device='cpu'",
+        "comm translated torch.zeros(device='cuda:0') into device='cpu'",
         "comm translated torch.cuda.set_device(0) into nothing (no accelerator: the CPU)",
     ]
 
