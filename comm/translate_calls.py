@@ -97,8 +97,9 @@ def tensor_pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
     return result
 
 
-def _factory(original: Callable[..., Any]) -> Callable[..., Any]:
-    name = f"torch.{original.__name__}"
+def _factory(original: Callable[..., Any], owner: str = "torch") -> Callable[..., Any]:
+    """A function or method that takes ``device=`` (and ``pin_memory=``): the factories, ``Tensor.new_*``."""
+    name = f"{owner}.{original.__name__}"
 
     @functools.wraps(original)
     def factory(*args: Any, **kwargs: Any) -> Any:
@@ -113,10 +114,22 @@ def _factory(original: Callable[..., Any]) -> Callable[..., Any]:
                 kwargs["pin_memory"] = False
         return original(*args, **kwargs)
 
-    # TorchScript compiles a call to torch.zeros as aten::zeros; without this entry it
-    # would try to compile the stand-in's Python (as transfer_to_npu's wrappers make it).
-    torch.jit._builtins._register_builtin(factory, f"aten::{original.__name__}")
+    if owner == "torch":
+        # TorchScript compiles a call to torch.zeros as aten::zeros; without this entry it
+        # would try to compile the stand-in's Python (as transfer_to_npu's wrappers make it).
+        torch.jit._builtins._register_builtin(factory, f"aten::{original.__name__}")
     return factory
+
+
+def _set_default_device(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def set_default_device(device: Any) -> None:
+        became = translated_device(device) if device is not None else None
+        if became is not device:
+            _changed("torch.set_default_device", device, became)
+        original(became)
+
+    return set_default_device
 
 
 def translated_backend(backend: Any) -> Any:
@@ -281,6 +294,9 @@ def targets() -> List[Tuple[Any, str, Any]]:
         _method(GradScaler, "__init__", lambda f: _first_argument_type(f, "GradScaler")),
     ]
     found += [(torch, name, _factory(getattr(torch, name))) for name in factory_names()]
+    found += [(torch.Tensor, name, _factory(getattr(torch.Tensor, name), "Tensor"))
+              for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")]
+    found += targets_of([torch], "set_default_device", _set_default_device)
     c10d = dist.distributed_c10d
     for name in ("init_process_group", "new_group"):
         found += targets_of([dist, c10d], name, _group_creator)

@@ -19,6 +19,7 @@ import functools
 import os
 import platform
 import sys
+import time
 import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -98,6 +99,8 @@ def _cpu_answer(name: str, *args: Any) -> Any:
         return _memory_info()
     if name == "is_bf16_supported":
         return True
+    if name == "get_device_capability":
+        return (0, 0)
     return None
 
 
@@ -192,14 +195,44 @@ class CudaStandIn(types.ModuleType):
 # Functions forwarded by name to the accelerator's module (or their CPU answer).
 _FORWARDED = _ZERO_ON_CPU + _NONE_ON_CPU + (
     "get_rng_state", "get_rng_state_all", "get_device_name", "get_device_properties", "mem_get_info",
-    "is_bf16_supported", "Stream", "Event", "current_stream", "default_stream", "stream", "memory_stats")
+    "is_bf16_supported", "get_device_capability", "Stream", "Event", "current_stream", "default_stream", "stream",
+    "memory_stats")
+
+
+class HostEvent:
+    """``torch.cuda.Event`` on the CPU (torch's CPU backend has no events): it records the host's clock.
+
+    Work on the CPU is done when its call returns, so a recorded event has completed,
+    and ``elapsed_time`` is the host time between two records, in milliseconds.
+    """
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.recorded: Optional[float] = None
+
+    def record(self, stream: Any = None) -> None:
+        self.recorded = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        if not self.enable_timing or self.recorded is None or end.recorded is None:
+            raise RuntimeError("elapsed_time needs two recorded events created with enable_timing=True")
+        return (end.recorded - self.recorded) * 1000.0
 
 
 def _stream_on_cpu() -> Dict[str, Any]:
-    """Streams on the CPU: torch's CPU stream, in whose context nothing changes."""
+    """Streams on the CPU: torch's CPU stream, in whose context nothing changes; events of the host's clock."""
     return {
         "Stream": lambda *args, **kwargs: torch.Stream("cpu"),
-        "Event": lambda *args, **kwargs: torch.Event("cpu"),
+        "Event": HostEvent,
         "current_stream": lambda device=None: torch.Stream("cpu"),
         "default_stream": lambda device=None: torch.Stream("cpu"),
         "stream": lambda stream=None: contextlib.nullcontext(),
@@ -222,7 +255,6 @@ def stand_in() -> CudaStandIn:
     for function in (is_available, device_count, set_device, current_device, device):
         setattr(module, function.__name__, function)
     module.nvtx = _nvtx()  # type: ignore[attr-defined]
-    module.is_initialized = lambda: True  # type: ignore[attr-defined]  # the accelerator's (or CPU's) runtime is up
     return module
 
 

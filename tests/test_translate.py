@@ -87,6 +87,12 @@ def test_device_arguments_become_the_cpu(translated):
     assert torch.nn.Linear(2, 2).cuda(1).weight.device == cpu
     assert torch.tensor([1.0], device="cuda").device == cpu and torch.full((2,), 1.0, device="cuda:0").device == cpu
     assert torch.empty(2, pin_memory=True).device == cpu and x.pin_memory() is x
+    assert x.new_zeros(2, device="cuda").device == cpu and x.new_tensor([1.0], device="cuda:1").device == cpu
+    torch.set_default_device("cuda")
+    try:
+        assert torch.empty(1).device == cpu
+    finally:
+        torch.set_default_device(None)
     # Devices that are not CUDA's pass unchanged, as the same object.
     for device in ["cpu", cpu, "meta"]:
         assert translate.translated_device(device) is device
@@ -272,6 +278,12 @@ def test_torch_cuda_on_the_cpu(translated):
         torch.cuda.nvtx.range_push("inner")
         torch.cuda.nvtx.range_pop()
         torch.cuda.current_stream().synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    end.record()
+    end.synchronize()
+    assert start.query() and 0 <= start.elapsed_time(end) < 1000
+    assert torch.cuda.get_device_capability() == (0, 0)
     torch.cuda.set_device("cuda:1")
     assert torch.cuda.current_device() == 1
     torch.cuda.set_device(0)
@@ -284,3 +296,33 @@ def test_pinned_data_loader_on_the_cpu(translated):
         warnings.simplefilter("ignore", UserWarning)  # torch's: pin_memory set but no accelerator
         (batch,) = next(iter(DataLoader(TensorDataset(torch.ones(4, 2)), batch_size=2, pin_memory=True)))
     assert batch.cuda(non_blocking=True).shape == (2, 2)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_nothing_is_translated(tmp_path):
+    """`make gpu-check`: a script run under python -m comm on a real GPU is exactly torch."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import logging, sys, torch\n"
+        "logging.basicConfig(level=logging.INFO)  # a translation would log its line here\n"
+        "import comm\n"
+        "real = sys.modules['torch.cuda'].__class__ is type(sys)\n"
+        "torch.cuda.set_device(0)\n"
+        "x = torch.ones(2).cuda()\n"
+        "y = torch.zeros(2, device='cuda:0').to(torch.device('cuda', 0))\n"
+        "print('translated', comm.translate.is_installed(), 'real torch.cuda', real,\n"
+        "      'Tensor.to replaced', 'to' in torch.Tensor.__dict__, 'devices', x.device, y.device,\n"
+        "      'available', torch.cuda.is_available())\n"
+    )
+    run = subprocess.run([sys.executable, "-m", "comm", str(script)], capture_output=True, text=True,
+                         env=quiet_env(), timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert ("translated False real torch.cuda True Tensor.to replaced False devices cuda:0 cuda:0 available True"
+            in run.stdout), run.stdout
+    assert "comm translated" not in run.stderr
+    from test_examples import EXAMPLES, _torchrun
+
+    trainer = _torchrun("--standalone", "--nproc-per-node", "1", "-m", "comm", str(EXAMPLES / "cuda_trainer.py"),
+                        "--epochs", "1")
+    assert trainer.returncode == 0, trainer.stderr
+    assert "model on cuda:0, backend nccl" in trainer.stdout and "rank 0: all_reduce sum 1" in trainer.stdout

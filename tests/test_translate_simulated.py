@@ -79,13 +79,20 @@ def test_cuda_calls_act_on_each_ranks_npu():
 def _accelerate_job(rank, world_size):
     from accelerate import Accelerator
 
+    import comm
+
+    comm.patch()  # as under python -m comm: Accelerate asks torch.cuda too
     accelerator = Accelerator()
     state = accelerator.state
-    return (str(state.distributed_type), state.num_processes, str(accelerator.device), state.backend)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    seen = (str(state.distributed_type), state.num_processes, str(accelerator.device), state.backend,
+            str(next(model.parameters()).device))
+    comm.unpatch()
+    return seen
 
 
 def test_accelerate_sees_an_npu_job_of_two_processes():
     pytest.importorskip("accelerate")
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_WORLD_SIZE": "2"}
     results = run_ranks(_accelerate_job, 2, backend=None, simulate=NPU, env=env)
-    assert results == [("DistributedType.MULTI_NPU", 2, f"npu:{rank}", "hccl") for rank in range(2)]
+    assert results == [("DistributedType.MULTI_NPU", 2, f"npu:{rank}", "hccl", f"npu:{rank}") for rank in range(2)]
