@@ -326,3 +326,25 @@ def test_on_a_gpu_nothing_is_translated(tmp_path):
                         "--epochs", "1")
     assert trainer.returncode == 0, trainer.stderr
     assert "model on cuda:0, backend nccl" in trainer.stdout and "rank 0: all_reduce sum 1" in trainer.stdout
+
+
+def test_multiprocessing_spawn_children_run_patched(tmp_path):
+    """A plain multiprocessing child (spawn start method) of a script under python -m comm is patched too."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import multiprocessing, torch\n"
+        "def child(queue):\n"
+        "    import comm\n"
+        "    queue.put((comm.is_patched(), str(torch.ones(1).cuda().device)))\n"
+        "if __name__ == '__main__':\n"
+        "    context = multiprocessing.get_context('spawn')\n"
+        "    queue = context.Queue()\n"
+        "    process = context.Process(target=child, args=(queue,))\n"
+        "    process.start()\n"
+        "    print('child', queue.get(timeout=60))\n"
+        "    process.join()\n"
+    )
+    run = subprocess.run([sys.executable, "-m", "comm", str(script)], capture_output=True, text=True,
+                         env=quiet_env(), timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "child (True, 'cpu')" in run.stdout
