@@ -26,6 +26,14 @@ def translated():
     comm.unpatch()
 
 
+def _under_python_m_comm(tmp_path, source, *options):
+    """Run ``source`` as a script under ``python -m comm [options]``."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    return subprocess.run([sys.executable, "-m", "comm", *options, str(script)], capture_output=True, text=True,
+                          env=quiet_env(), timeout=300)
+
+
 def _seed_lines(tmp_path):
     """The first seed's entry point, one process: every line that names CUDA."""
     seen = {}
@@ -171,13 +179,10 @@ def test_switching_it_off(monkeypatch):
 
 
 def test_python_m_comm_no_devices(tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text("import torch\ntorch.cuda.set_device(0)\nprint('bound', torch.ones(1).cuda().device)\n")
-    run = [sys.executable, "-m", "comm"]
-    translated_run = subprocess.run(run + [str(script)], capture_output=True, text=True, env=quiet_env(), timeout=120)
+    source = "import torch\ntorch.cuda.set_device(0)\nprint('bound', torch.ones(1).cuda().device)\n"
+    translated_run = _under_python_m_comm(tmp_path, source)
     assert translated_run.returncode == 0 and "bound cpu" in translated_run.stdout, translated_run.stderr
-    untranslated = subprocess.run(run + ["--no-devices", str(script)], capture_output=True, text=True,
-                                  env=quiet_env(), timeout=120)
+    untranslated = _under_python_m_comm(tmp_path, source, "--no-devices")
     assert untranslated.returncode != 0 and "_cuda_setDevice" in untranslated.stderr
 
 
@@ -301,8 +306,8 @@ def test_pinned_data_loader_on_the_cpu(translated):
 @pytest.mark.cuda
 def test_on_a_gpu_nothing_is_translated(tmp_path):
     """`make gpu-check`: a script run under python -m comm on a real GPU is exactly torch."""
-    script = tmp_path / "script.py"
-    script.write_text(
+    run = _under_python_m_comm(
+        tmp_path,
         "import logging, sys, torch\n"
         "logging.basicConfig(level=logging.INFO)  # a translation would log its line here\n"
         "import comm\n"
@@ -312,10 +317,8 @@ def test_on_a_gpu_nothing_is_translated(tmp_path):
         "y = torch.zeros(2, device='cuda:0').to(torch.device('cuda', 0))\n"
         "print('translated', comm.translate.is_installed(), 'real torch.cuda', real,\n"
         "      'Tensor.to replaced', 'to' in torch.Tensor.__dict__, 'devices', x.device, y.device,\n"
-        "      'available', torch.cuda.is_available())\n"
+        "      'available', torch.cuda.is_available())\n",
     )
-    run = subprocess.run([sys.executable, "-m", "comm", str(script)], capture_output=True, text=True,
-                         env=quiet_env(), timeout=300)
     assert run.returncode == 0, run.stderr
     assert ("translated False real torch.cuda True Tensor.to replaced False devices cuda:0 cuda:0 available True"
             in run.stdout), run.stdout
@@ -330,8 +333,8 @@ def test_on_a_gpu_nothing_is_translated(tmp_path):
 
 def test_multiprocessing_spawn_children_run_patched(tmp_path):
     """A plain multiprocessing child (spawn start method) of a script under python -m comm is patched too."""
-    script = tmp_path / "script.py"
-    script.write_text(
+    run = _under_python_m_comm(
+        tmp_path,
         "import multiprocessing, torch\n"
         "def child(queue):\n"
         "    import comm\n"
@@ -342,9 +345,7 @@ def test_multiprocessing_spawn_children_run_patched(tmp_path):
         "    process = context.Process(target=child, args=(queue,))\n"
         "    process.start()\n"
         "    print('child', queue.get(timeout=60))\n"
-        "    process.join()\n"
+        "    process.join()\n",
     )
-    run = subprocess.run([sys.executable, "-m", "comm", str(script)], capture_output=True, text=True,
-                         env=quiet_env(), timeout=120)
     assert run.returncode == 0, run.stderr
     assert "child (True, 'cpu')" in run.stdout
