@@ -63,7 +63,8 @@ def cuda_present() -> bool:
         return False
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return True
-    count = int(torch.cuda._device_count_nvml())
+    nvml_count = getattr(torch.cuda, "_device_count_nvml", None)
+    count = int(nvml_count()) if nvml_count is not None else -1
     if count >= 0:
         return count > 0
     return bool(torch.cuda.is_available())

@@ -9,6 +9,7 @@ for the accelerator (or the CPU) pays one type check.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -279,9 +280,12 @@ def _method(owner: type, name: str, make: Callable[[Any], Any]) -> Tuple[Any, st
 
 @functools.lru_cache(maxsize=None)
 def targets() -> List[Tuple[Any, str, Any]]:
-    """What to replace: made once, so the stand-ins (and TorchScript's entries for them) live as long as torch."""
+    """What to replace: made once, so the stand-ins (and TorchScript's entries for them) live as long as torch.
+
+    What an older torch lacks (``torch.amp.GradScaler`` before 2.3, ``device_mesh``
+    before 2.2) is left out.
+    """
     from torch.amp.autocast_mode import autocast
-    from torch.amp.grad_scaler import GradScaler
     from torch.nn.parallel import DistributedDataParallel
 
     found: List[Tuple[Any, str, Any]] = [
@@ -291,8 +295,10 @@ def targets() -> List[Tuple[Any, str, Any]]:
         (torch.Tensor, "pin_memory", tensor_pin_memory),
         _method(DistributedDataParallel, "__init__", _ddp_init),
         _method(autocast, "__init__", lambda f: _first_argument_type(f, "torch.autocast")),
-        _method(GradScaler, "__init__", lambda f: _first_argument_type(f, "GradScaler")),
     ]
+    scaler = _optional("torch.amp.grad_scaler")
+    if scaler is not None:
+        found.append(_method(scaler.GradScaler, "__init__", lambda f: _first_argument_type(f, "GradScaler")))
     found += [(torch, name, _factory(getattr(torch, name))) for name in factory_names()]
     found += [(torch.Tensor, name, _factory(getattr(torch.Tensor, name), "Tensor"))
               for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")]
@@ -300,9 +306,15 @@ def targets() -> List[Tuple[Any, str, Any]]:
     c10d = dist.distributed_c10d
     for name in ("init_process_group", "new_group"):
         found += targets_of([dist, c10d], name, _group_creator)
-    from torch.distributed import device_mesh
-
-    found += targets_of([dist, device_mesh], "init_device_mesh",
-                        lambda f: _first_argument_type(f, "init_device_mesh"))
+    mesh = _optional("torch.distributed.device_mesh")
+    if mesh is not None:
+        found += targets_of([dist, mesh], "init_device_mesh", lambda f: _first_argument_type(f, "init_device_mesh"))
     found += targets_of([torch, torch.serialization], "load", _load)
     return found
+
+
+def _optional(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None

@@ -73,8 +73,8 @@ def _forwarded(name: str) -> Callable[..., Any]:
         if args and name not in ("manual_seed", "manual_seed_all", "set_rng_state"):
             args = tuple(translate.translated_device(arg) for arg in args)
         target = getattr(module, name, None)
-        if target is None and hasattr(torch.accelerator, name):
-            target = getattr(torch.accelerator, name)
+        if target is None:  # torch.accelerator (torch >= 2.6) has the memory statistics too
+            target = getattr(getattr(torch, "accelerator", None), name, None)
         if target is None:
             raise AttributeError(f"torch.cuda.{name}: the {target_type()} device module has no {name}")
         note(f"torch.cuda.{name}", lambda: f"torch.cuda.{name} into torch.{target_type()}.{name}")
