@@ -46,6 +46,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             clip = False
         elif option == "--no-devices":
             devices = False
+            os.environ["COMM_TRANSLATE"] = "0"  # for children patched at their import as well
         elif option == "--simulate":
             if not args:
                 sys.exit("python -m comm: --simulate needs an accelerator name, such as npu")
