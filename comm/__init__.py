@@ -6,7 +6,7 @@ onto a device the group's backend serves (:mod:`comm.staging`), the collectives
 (:mod:`comm.collectives`, :mod:`comm.exchange`) and point-to-point calls
 (:mod:`comm.p2p`) with their fast path (:mod:`comm.fastpath`), gradient norms (:mod:`comm.norm`),
 counters (:mod:`comm.observability`), the profiler (:mod:`comm.profiler`) and the drop-in mode
-(:mod:`comm.patch`).
+(:mod:`comm.patch`), which also runs CUDA-only calls on this process's accelerator (:mod:`comm.translate`).
 """
 
 from comm import compile as _compile

@@ -122,6 +122,21 @@ def _factory(original: Callable[..., Any], owner: str = "torch") -> Callable[...
     return factory
 
 
+def _data_loader_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``DataLoader(pin_memory=True, pin_memory_device="cuda")``: the accelerator's, or no pinning on the CPU."""
+
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("pin_memory_device"):
+            kwargs["pin_memory_device"] = translated_type(kwargs["pin_memory_device"])
+        if kwargs.get("pin_memory") and target_type() == "cpu":
+            note("DataLoader(pin_memory)", lambda: "DataLoader(pin_memory=True) into pin_memory=False (no accelerator)")
+            kwargs["pin_memory"] = False
+        original(self, *args, **kwargs)
+
+    return init
+
+
 def _set_default_device(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def set_default_device(device: Any) -> None:
@@ -287,6 +302,7 @@ def targets() -> List[Tuple[Any, str, Any]]:
     """
     from torch.amp.autocast_mode import autocast
     from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
 
     found: List[Tuple[Any, str, Any]] = [
         (torch.Tensor, "to", _to(_tensor_to, "Tensor.to")),
@@ -294,6 +310,7 @@ def targets() -> List[Tuple[Any, str, Any]]:
         (torch.Tensor, "cuda", tensor_cuda),
         (torch.Tensor, "pin_memory", tensor_pin_memory),
         _method(DistributedDataParallel, "__init__", _ddp_init),
+        _method(DataLoader, "__init__", _data_loader_init),
         _method(autocast, "__init__", lambda f: _first_argument_type(f, "torch.autocast")),
     ]
     scaler = _optional("torch.amp.grad_scaler")

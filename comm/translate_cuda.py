@@ -70,8 +70,10 @@ def _forwarded(name: str) -> Callable[..., Any]:
         if module is None:
             note(f"torch.cuda.{name}", lambda: f"torch.cuda.{name}() into the CPU's answer (no accelerator)")
             return 0 if name in _ZERO_ON_CPU else _cpu_answer(name, *args)
-        if args and name not in ("manual_seed", "manual_seed_all", "set_rng_state"):
+        if args and name not in ("manual_seed", "manual_seed_all", "set_rng_state", "set_rng_state_all"):
             args = tuple(translate.translated_device(arg) for arg in args)
+        if "device" in kwargs:
+            kwargs["device"] = translate.translated_device(kwargs["device"])
         target = getattr(module, name, None)
         if target is None:  # torch.accelerator (torch >= 2.6) has the memory statistics too
             target = getattr(getattr(torch, "accelerator", None), name, None)

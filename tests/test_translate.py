@@ -129,6 +129,7 @@ def test_backend_strings():
 def _torch_objects():
     import torch.amp.grad_scaler
     import torch.distributed.device_mesh
+    import torch.utils.data
     from torch.amp.autocast_mode import autocast
     from torch.nn.parallel import DistributedDataParallel
 
@@ -136,6 +137,7 @@ def _torch_objects():
         "torch.cuda": torch.cuda, "sys.modules": sys.modules["torch.cuda"],
         "Tensor": {name: torch.Tensor.__dict__.get(name) for name in ("to", "cuda", "pin_memory")},
         "Module.to": torch.nn.Module.__dict__["to"], "DDP": DistributedDataParallel.__dict__["__init__"],
+        "DataLoader": torch.utils.data.DataLoader.__dict__["__init__"],
         "autocast": autocast.__dict__["__init__"], "GradScaler": torch.amp.grad_scaler.GradScaler.__dict__["__init__"],
         "factories": {name: getattr(torch, name) for name in translate_calls.factory_names()},
         "dist": [dist.init_process_group, dist.new_group, dist.distributed_c10d.init_process_group,
@@ -151,7 +153,7 @@ def test_unpatch_restores_torchs_exact_objects():
     with comm.patched():
         during = _torch_objects()
         assert during["torch.cuda"] is during["sys.modules"] is not before["torch.cuda"]
-        for key in ("Module.to", "DDP", "autocast", "GradScaler"):
+        for key in ("Module.to", "DDP", "DataLoader", "autocast", "GradScaler"):
             assert during[key] is not before[key], key
         assert all(during["factories"][name] is not before["factories"][name] for name in before["factories"])
         with comm.patched():  # nested: the outer block's translation stays
@@ -298,7 +300,7 @@ def test_pinned_data_loader_on_the_cpu(translated):
     from torch.utils.data import DataLoader, TensorDataset
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch's: pin_memory set but no accelerator
+        warnings.simplefilter("error")  # not even torch's "pin_memory set but no accelerator"
         (batch,) = next(iter(DataLoader(TensorDataset(torch.ones(4, 2)), batch_size=2, pin_memory=True)))
     assert batch.cuda(non_blocking=True).shape == (2, 2)
 
