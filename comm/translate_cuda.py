@@ -193,6 +193,9 @@ class CudaStandIn(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         return getattr(_REAL, name)
 
+    def __dir__(self) -> List[str]:
+        return sorted(set(dir(_REAL)) | set(self.__dict__))
+
 
 # Functions forwarded by name to the accelerator's module (or their CPU answer).
 _FORWARDED = _ZERO_ON_CPU + _NONE_ON_CPU + (

@@ -351,3 +351,20 @@ def test_multiprocessing_spawn_children_run_patched(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     assert "child (True, 'cpu')" in run.stdout
+
+
+def test_no_stand_in_torch_npu_where_the_real_one_can_be_imported(monkeypatch):
+    import importlib.machinery
+    import importlib.util
+
+    from comm.testing import _torch_npu
+
+    real = importlib.machinery.ModuleSpec("torch_npu", None, origin="/site-packages/torch_npu/__init__.py")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: real if name == "torch_npu" else None)
+    assert _torch_npu.install() is False and "torch_npu" not in sys.modules
+
+
+def test_the_stand_in_lists_torchs_names_too(translated):
+    names = dir(torch.cuda)
+    assert {"set_device", "amp", "FloatTensor", "nvtx"} <= set(names)
+    assert torch.cuda.amp is sys.modules["torch.cuda.amp"] and torch.cuda.FloatTensor is translate_cuda._REAL.FloatTensor
