@@ -13,7 +13,6 @@ in the child at that import, as in the parent.
 from __future__ import annotations
 
 import multiprocessing.spawn
-import sys
 from typing import Any, List
 
 __all__ = ["get_command_line"]
@@ -32,10 +31,12 @@ def get_command_line(**kwargs: Any) -> List[str]:
 
 
 def _prelude() -> str:
+    import torch.nn.utils
+
     from comm import translate
 
-    originals = sys.modules["comm.patch"]._ORIGINALS  # the module (comm.patch is also the function)
-    clip = ("torch.nn.utils", "clip_grad_norm_") in originals
+    # comm.patch's stand-ins name what they replace; torch's own clip_grad_norm_ does not.
+    clip = hasattr(torch.nn.utils.clip_grad_norm_, "__comm_replaces__")
     devices = translate.is_installed()
     return ("import importlib.util\n"
             "if importlib.util.find_spec('comm') is not None:\n"

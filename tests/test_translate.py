@@ -367,4 +367,5 @@ def test_no_stand_in_torch_npu_where_the_real_one_can_be_imported(monkeypatch):
 def test_the_stand_in_lists_torchs_names_too(translated):
     names = dir(torch.cuda)
     assert {"set_device", "amp", "FloatTensor", "nvtx"} <= set(names)
-    assert torch.cuda.amp is sys.modules["torch.cuda.amp"] and torch.cuda.FloatTensor is translate_cuda._REAL.FloatTensor
+    assert torch.cuda.amp is sys.modules["torch.cuda.amp"]
+    assert torch.cuda.FloatTensor is translate_cuda._REAL.FloatTensor  # not translated: torch's own
