@@ -369,3 +369,12 @@ def test_the_stand_in_lists_torchs_names_too(translated):
     assert {"set_device", "amp", "FloatTensor", "nvtx"} <= set(names)
     assert torch.cuda.amp is sys.modules["torch.cuda.amp"]
     assert torch.cuda.FloatTensor is translate_cuda._REAL.FloatTensor  # not translated: torch's own
+
+
+def test_starting_the_simulation_without_editing_the_script_refuses_bad_names():
+    bad = subprocess.run([sys.executable, "-c", "import comm"], capture_output=True, text=True,
+                         env=quiet_env(COMM_SIMULATE="npu:hccl:x"), timeout=120)
+    assert bad.returncode != 0 and "COMM_SIMULATE='npu:hccl:x' is not a device type" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "comm", "--simulate"], capture_output=True, text=True,
+                             env=quiet_env(), timeout=120)
+    assert missing.returncode != 0 and "--simulate needs an accelerator name" in missing.stderr

@@ -17,8 +17,12 @@ def _cuda_calls_on_the_npu(rank, world_size):
 
     import comm
 
+    from multiproc import error_of
+
+    seen = {"unpatched": [error_of(line, catch=(RuntimeError, AttributeError, AssertionError), typed=True) for line in (
+        lambda: torch.cuda.set_device(rank), lambda: torch.nn.Linear(2, 2).cuda(rank),
+        lambda: dist.init_process_group(backend="nccl", store=dist.HashStore(), rank=0, world_size=1))]}
     comm.patch()
-    seen = {}
     torch.cuda.set_device(rank)
     seen["current"] = (torch.cuda.current_device(), torch.npu.current_device())
     seen["policy"] = (torch.cuda.is_available(), torch.cuda.device_count())
@@ -63,6 +67,11 @@ def _cuda_calls_on_the_npu(rank, world_size):
 def test_cuda_calls_act_on_each_ranks_npu():
     results = run_ranks(_cuda_calls_on_the_npu, 2, backend=None, simulate=NPU)
     for rank, seen in enumerate(results):
+        assert seen["unpatched"] == [  # the errors, on the simulated NPU without comm
+            "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'",
+            "RuntimeError: Invalid device, must be cuda device",
+            "RuntimeError: Distributed package doesn't have NCCL built in",
+        ]
         assert seen["current"] == (rank, rank)
         assert seen["policy"] == (True, 8)
         assert seen["group"] == ("hccl", f"npu:{rank}")
