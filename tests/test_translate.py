@@ -192,6 +192,11 @@ def test_a_cuda_process_is_untouched(monkeypatch):
     """What a CUDA machine reports, stubbed at the two probes translate asks (NVML's count, the build)."""
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+
+    def initialises_cuda():
+        raise AssertionError("patch() asked torch.cuda.is_available(), which starts CUDA's driver")
+
+    monkeypatch.setattr(torch.cuda, "is_available", initialises_cuda)
     assert translate.cuda_present()
     before = _torch_objects()
     with comm.patched():
@@ -199,6 +204,9 @@ def test_a_cuda_process_is_untouched(monkeypatch):
         assert _torch_objects() == before and torch.cuda is before["torch.cuda"]
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 0)  # a CUDA wheel on a machine without a GPU
     assert not translate.cuda_present()
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)  # NVML cannot be asked: the runtime is
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert translate.cuda_present()
 
 
 def test_each_kind_logs_one_info_line(translated, caplog):
