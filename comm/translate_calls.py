@@ -188,7 +188,7 @@ def _group_creator(original: Callable[..., Any]) -> Callable[..., Any]:
         device_id = arguments.get("device_id")
         if device_id is not None:
             became = translated_device(device_id)
-            if became is not device_id and became.type == "cpu":
+            if became is not device_id and torch.device(became).type == "cpu":
                 became = None  # a group is bound to an accelerator device, never the CPU
             arguments["device_id"] = became
             if became is not device_id:
