@@ -107,9 +107,12 @@ def _cpu_answer(name: str, *args: Any) -> Any:
 
 
 def _memory_info() -> Tuple[int, int]:
-    """(free, total) bytes of host memory, for ``mem_get_info`` on the CPU."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    """(free, total) bytes of host memory, for ``mem_get_info`` on the CPU; (0, 0) where the OS cannot say."""
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name (macOS)
+        return 0, 0
 
 
 def is_available() -> bool:
