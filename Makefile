@@ -30,6 +30,9 @@ demo: $(VENV)/.installed
 	@echo "== a full state dict from CPU-offloaded FSDP2 shards: torch alone, then under python -m comm =="
 	@$(TORCHRUN) examples/full_state_dict.py --simulate npu 2>&1 | grep -m1 -o "RuntimeError: No backend type.*" || true
 	@$(TORCHRUN) -m comm examples/full_state_dict.py --simulate npu
+	@echo "== a DDP trainer written for CUDA, unchanged: torch alone, then under torchrun -m comm on two simulated NPUs =="
+	@$(TORCHRUN) examples/cuda_trainer.py 2>&1 | grep -m1 -o "AttributeError: module 'torch._C'.*" || true
+	@$(TORCHRUN) -m comm --simulate npu examples/cuda_trainer.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check comm tests examples benchmarks
@@ -39,6 +42,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/clip_grad.py
 	$(PY) benchmarks/compiled.py
+	$(PY) benchmarks/translate.py
 
 # On a GPU machine, with the Python that has its CUDA build of torch and pytest
 # (a fresh .venv would install the CPU build pinned for CI).

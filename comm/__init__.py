@@ -6,7 +6,8 @@ torch routes by device (:mod:`comm.slot`, with its C++ backend in ``comm/csrc``,
 built by :mod:`comm._native`), the explicit collectives (:mod:`comm.collectives`,
 with what they add in :mod:`comm.gaps` and :mod:`comm.fallback`), gradient norms
 (:mod:`comm.norm`), staging figures (:mod:`comm.observability`), the profiler
-(:mod:`comm.profiler`) and the drop-in mode (:mod:`comm.patch`).
+(:mod:`comm.profiler`) and the drop-in mode (:mod:`comm.patch`), which also runs CUDA-only
+calls on this process's accelerator (:mod:`comm.translate`).
 """
 
 import logging as _logging
@@ -106,6 +107,16 @@ def _say_if_staging_is_unavailable() -> None:
         _logging.getLogger("comm").warning("comm cannot stage in c10d: %s; comm's own calls stage in Python", reason)
 
 
+def _simulate_if_asked() -> None:
+    """``COMM_SIMULATE=npu`` (or ``npu:hccl``) sets up the simulated accelerator at ``import comm``."""
+    import os
+
+    if os.environ.get("COMM_SIMULATE", "").strip():
+        from comm.testing import simulate_from_environment
+
+        simulate_from_environment()
+
+
 def _patch_if_asked() -> None:
     """``COMM_PATCH=1`` in the environment patches torch at ``import comm``."""
     if _env_switch("COMM_PATCH", "1 or 0 (true/false, yes/no, on/off)") == "on":
@@ -113,6 +124,7 @@ def _patch_if_asked() -> None:
 
 
 warn_if_beside_jupyter()
+_simulate_if_asked()
 _say_if_staging_is_unavailable()
 _patch_if_asked()
 profile_if_asked()

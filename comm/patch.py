@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch.distributed as dist
 
-from comm import norm, slot
+from comm import norm, slot, translate, translate_spawn
 
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
 
@@ -33,15 +33,20 @@ _LOCK = threading.RLock()
 _ORIGINALS: Dict[Tuple[str, str], Any] = {}
 
 
-def patch(clip_grad_norm: bool = True) -> None:
+def patch(clip_grad_norm: bool = True, devices: bool = True) -> None:
     """Equip every process group, now and to come, with comm's staging backend; and replace ``clip_grad_norm_``.
 
-    Idempotent and thread-safe. Where comm's backend cannot be built here it says
-    so once and stages nothing (comm's explicit calls still stage in Python).
+    With ``devices`` (the default), in a process without CUDA, CUDA-only calls act on
+    this process's accelerator or the CPU (:mod:`comm.translate`). Idempotent and
+    thread-safe. Where comm's backend cannot be built here it says so once and
+    stages nothing (comm's explicit calls still stage in Python).
     """
-    if not isinstance(clip_grad_norm, bool):
-        raise TypeError(f"clip_grad_norm must be a bool, got {type(clip_grad_norm).__name__}")
+    for name, value in (("clip_grad_norm", clip_grad_norm), ("devices", devices)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     with _LOCK:
+        if devices:
+            translate.install()
         for module_name, name, replacement in _targets(clip_grad_norm):
             _install(module_name, name, replacement)
         reason = slot.unavailable_reason()
@@ -58,6 +63,7 @@ def unpatch() -> None:
         for (module_name, name), original in list(_ORIGINALS.items()):
             setattr(importlib.import_module(module_name), name, original)
             del _ORIGINALS[(module_name, name)]
+        translate.uninstall()
 
 
 def is_patched() -> bool:
@@ -66,11 +72,12 @@ def is_patched() -> bool:
 
 
 @contextlib.contextmanager
-def patched(clip_grad_norm: bool = True) -> Iterator[None]:
+def patched(clip_grad_norm: bool = True, devices: bool = True) -> Iterator[None]:
     """Patch inside a ``with`` block; nests, and undoes only what it patched itself."""
     with _LOCK:
         before = set(_ORIGINALS)
-        patch(clip_grad_norm)
+        translated = translate.is_installed()
+        patch(clip_grad_norm, devices)
         added = set(_ORIGINALS) - before
     try:
         yield
@@ -79,6 +86,8 @@ def patched(clip_grad_norm: bool = True) -> Iterator[None]:
             for key in added & set(_ORIGINALS):  # unpatch() inside the block restored the rest
                 module_name, name = key
                 setattr(importlib.import_module(module_name), name, _ORIGINALS.pop(key))
+            if not translated:
+                translate.uninstall()
 
 
 def _targets(clip_grad_norm: bool) -> List[Tuple[str, str, Callable[..., Any]]]:
@@ -88,6 +97,7 @@ def _targets(clip_grad_norm: bool) -> List[Tuple[str, str, Callable[..., Any]]]:
         targets.append((module_name, name, _create_group))
     if clip_grad_norm:
         targets += [(m, "clip_grad_norm_", norm.clip_grad_norm_) for m in _CLIP_MODULES]
+    targets.append(("multiprocessing.spawn", "get_command_line", translate_spawn.get_command_line))
     return targets
 
 

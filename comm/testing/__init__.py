@@ -29,6 +29,7 @@ headers are what the C++ is written against), a C++ compiler and ninja.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, FrozenSet, Iterable, Optional, Tuple
 
@@ -36,11 +37,13 @@ import torch
 import torch.distributed as dist
 
 from comm._native import SIMULATED
-from comm.testing import _device, _process_group
+from comm.testing import _device, _process_group, _torch_npu
 from comm.testing._device import FAILURE_MODES, counters, fail_next, reset_counters
 
-__all__ = ["FAILURE_MODES", "can_simulate", "counters", "fail_next", "offloaded", "reset_counters",
-           "simulate_accelerator", "simulated_accelerator"]
+__all__ = [
+    "FAILURE_MODES", "can_simulate", "counters", "fail_next", "offloaded", "reset_counters", "simulate_accelerator",
+    "simulate_from_environment", "simulated_accelerator",
+]
 
 _LOCK = threading.Lock()
 _ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any]]] = None
@@ -90,7 +93,22 @@ def simulate_accelerator(
             )
         _device.install_device(name, device_count)
         _process_group.register_backend(backend, name, ops)
+        if name == "npu":
+            _torch_npu.install()
         _ACTIVE = wanted
+
+
+def simulate_from_environment() -> None:
+    """The simulated accelerator ``COMM_SIMULATE`` names: ``npu`` or ``npu:hccl`` (device type, then backend).
+
+    ``python -m comm --simulate npu`` sets it, so the script's spawned children simulate too.
+    """
+    value = os.environ.get("COMM_SIMULATE", "").strip()
+    name, _, backend = value.partition(":")
+    if not name.isidentifier() or (backend and not backend.isidentifier()):
+        raise ValueError(f"COMM_SIMULATE={value!r} is not a device type with an optional backend; expected "
+                         "a value such as 'npu' or 'npu:hccl'")
+    simulate_accelerator(name, backend or "hccl")
 
 
 def simulated_accelerator() -> Optional[str]:

@@ -18,6 +18,10 @@ from torch.utils.backend_registration import generate_methods_for_privateuse1_ba
 from comm._native import SIMULATED
 
 _NAME: Optional[str] = None
+# What mem_get_info and get_device_properties report as each simulated device's memory.
+_TOTAL_MEMORY = 16 << 30
+# Registrations that must live as long as the process.
+_LIBRARIES: List[Any] = []
 
 
 def _core() -> Any:
@@ -63,6 +67,10 @@ def install_device(name: str, device_count: int) -> None:
     core.install(device_count)
     core.run_on_host_for(_structured_operators())
     generate_methods_for_privateuse1_backend()
+    # torch.autocast(name) needs a kernel for every operator at AutocastPrivateUse1: pass
+    # them all through (the simulation casts nothing; a real plugin registers casts).
+    _LIBRARIES.append(torch.library.Library("_", "IMPL"))  # type: ignore[no-untyped-call]
+    _LIBRARIES[-1].fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
     torch._register_device_module(name, _build_device_module(name, core))  # type: ignore[no-untyped-call]
     _NAME = name
 
@@ -129,6 +137,20 @@ def _build_device_module(name: str, core: Any) -> types.ModuleType:
         "synchronize": lambda device=None: None,  # every operator completes before it returns
         "empty_cache": lambda: core.empty_cache(core.current_device()),
         "memory_reserved": lambda device=None: core.memory_reserved(_index_of(device, core)),
+        # No caching allocator: every statistic is the bytes allocated since the last empty_cache.
+        "memory_allocated": lambda device=None: core.memory_reserved(_index_of(device, core)),
+        "max_memory_allocated": lambda device=None: core.memory_reserved(_index_of(device, core)),
+        "max_memory_reserved": lambda device=None: core.memory_reserved(_index_of(device, core)),
+        "reset_peak_memory_stats": lambda device=None: None,
+        "mem_get_info": lambda device=None: (_TOTAL_MEMORY - core.memory_reserved(_index_of(device, core)),
+                                             _TOTAL_MEMORY),
+        "get_device_name": lambda device=None: f"simulated {name} (comm.testing)",
+        "get_device_properties": lambda device=None: types.SimpleNamespace(
+            name=f"simulated {name} (comm.testing)", total_memory=_TOTAL_MEMORY, multi_processor_count=1),
+        "is_bf16_supported": lambda including_emulation=True: True,
+        "get_amp_supported_dtype": lambda: [torch.float16, torch.bfloat16],
+        "get_rng_state": lambda device=None: torch.get_rng_state(),  # the CPU generator draws for the device
+        "set_rng_state": lambda state, device=None: torch.set_rng_state(state),
         # Random operators on the device draw from the CPU generator, which torch.manual_seed seeds.
         "manual_seed": lambda seed: None,
         "manual_seed_all": lambda seed: None,

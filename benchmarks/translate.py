@@ -1,0 +1,143 @@
+"""What device translation costs per call: CUDA calls translated, against torch's own call on the right device.
+
+Each row times single calls in rotating order, one of each per round, with the
+translation installed as ``comm.patch()`` installs it: torch's own function (the
+object the translation saved) naming this process's device, the call naming CUDA
+(translated), the call naming this process's device through the stand-in (what
+code that is already right pays), and torch's function again (the A/A control).
+Medians; ratios against the first column. Where the translation is not installed
+(a CUDA machine, ``--no-devices``) torch's objects are in place and nothing is added.
+The ``wrapper`` column is torch's function behind a Python function that only
+forwards its arguments: what any Python shim costs here before it does anything.
+
+The last line is the mechanism not chosen: a ``TorchFunctionMode`` sees every torch
+call, so even an operator that takes no device pays for it; the translation adds
+nothing there (it replaces only the functions that take a device).
+
+Part 1 runs on the simulated NPU (CUDA becomes npu:0), part 2 on a CPU-only process
+(CUDA becomes the CPU), each in a fresh process.
+
+    python benchmarks/translate.py [--calls N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from _harness import Call, rotate, run_ranks
+
+CALLS = 10000
+NPU = {"name": "npu", "backend": "hccl"}
+
+
+def _forwarder(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A Python function that only hands its arguments to ``function``: the least any Python shim adds."""
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+    return forward
+
+
+class _ForwardingMode(TorchFunctionMode):
+    """The other mechanism: a mode that sees every torch call, here only handing it on."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def _cases(device: str) -> List[Tuple[str, Callable[..., Any], Tuple[Any, ...], Call, Call]]:
+    """(name, torch's own function, its arguments on ``device``, the CUDA form, the stand-in on ``device``)."""
+    from comm.translate_calls import _tensor_to
+
+    zeros = torch.zeros  # torch's own: the translation is not installed yet
+    on_device, on_host, big = torch.ones(16, device=device), torch.ones(16), torch.ones(1 << 20)
+    as_is = getattr(torch.Tensor, device.split(":")[0])  # Tensor.npu / Tensor.cpu: torch's own Tensor.cuda
+    cases = [
+        ("torch.zeros(16, device=)", functools.partial(zeros, device=device), (16,),
+         lambda: torch.zeros(16, device="cuda:0"), lambda: torch.zeros(16, device=device)),
+        ("x.to(device), no copy", _tensor_to, (on_device, device), lambda: on_device.to("cuda:0"),
+         lambda: on_device.to(device)),
+        ("x.to(device), 16 floats", _tensor_to, (on_host, device), lambda: on_host.to("cuda:0"),
+         lambda: on_host.to(device)),
+        ("x.cuda()", as_is, (on_host,), lambda: on_host.cuda(), lambda: as_is(on_host)),
+    ]
+    if device != "cpu":
+        cases.insert(3, ("x.to(device), 1 M floats", _tensor_to, (big, device), lambda: big.to("cuda:0"),
+                         lambda: big.to(device)))
+    return cases
+
+
+def measure(rank: int, calls: int) -> List[Dict[str, Any]]:
+    from comm import translate
+
+    device = "npu:0" if hasattr(torch, "npu") else "cpu"
+    cases = _cases(device)
+    translate.install()
+    rows = []
+    for name, function, arguments, cuda_form, installed_right in cases:
+        own = functools.partial(function, *arguments)
+        floor = functools.partial(_forwarder(function), *arguments)
+        medians = rotate([own, cuda_form, installed_right, floor, own], calls)
+        reference = medians[0]
+        rows.append({"name": name, "torch_us": reference * 1e6, "translated_us": medians[1] * 1e6,
+                     "ratio": medians[1] / reference, "installed": medians[2] / reference,
+                     "floor": medians[3] / reference, "control": medians[4] / reference})
+    translate.uninstall()
+    return rows
+
+
+def mode_cost(rank: int, calls: int) -> Dict[str, float]:
+    """An operator that takes no device (x.add(1)), the translation installed: as is, and under a forwarding mode."""
+    from comm import translate
+
+    x = torch.ones(16)
+    mode = _ForwardingMode()
+
+    def add() -> Any:
+        return x.add(1)
+
+    def under_mode() -> Any:
+        with mode:
+            return x.add(1)
+
+    def mode_alone() -> Any:
+        with mode:
+            return None
+
+    translate.install()
+    medians = rotate([add, under_mode, mode_alone, add], calls)
+    translate.uninstall()
+    names = ("translation installed (torch's own add)", "forwarding mode", "entering the mode alone", "A/A")
+    return dict(zip(names, (m * 1e6 for m in medians)))
+
+
+def _print(title: str, rows: List[Dict[str, Any]]) -> None:
+    print(f"\n{title}")
+    print(f"{'call':<26} {'torch us':>9} {'translated us':>14} {'ratio':>6} {'right device':>13} {'wrapper':>8} "
+          f"{'A/A':>6}")
+    for row in rows:
+        print(f"{row['name']:<26} {row['torch_us']:>9.2f} {row['translated_us']:>14.2f} {row['ratio']:>6.3f} "
+              f"{row['installed']:>13.3f} {row['floor']:>8.3f} {row['control']:>6.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=CALLS, help="timed calls per side")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}; medians of single calls in rotating order; ratio = translated / torch, "
+          "A/A = torch again / torch")
+    body = functools.partial(measure, calls=args.calls)
+    _print(f"Simulated NPU: 'cuda:0' translated to npu:0, {args.calls} calls per side",
+           run_ranks(body, world_size=1, simulate=NPU))
+    _print(f"CPU-only: 'cuda:0' translated to the CPU, {args.calls} calls per side", run_ranks(body, world_size=1))
+    costs = run_ranks(functools.partial(mode_cost, calls=args.calls), world_size=1)
+    print(f"\nx.add(1), an operator that takes no device, {args.calls} calls per side: "
+          + ", ".join(f"{name} {us:.2f} us" for name, us in costs.items()))
+
+
+if __name__ == "__main__":
+    main()

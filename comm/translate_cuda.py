@@ -1,0 +1,286 @@
+"""The ``torch.cuda`` stand-in of the drop-in mode: CUDA's functions on this process's accelerator.
+
+One module object replaces ``torch.cuda`` (the attribute and ``sys.modules``). The
+functions below act on the accelerator's own device module (``torch.npu``,
+``torch.xpu``, a PrivateUse1 plugin's), looked up per call; where there is no
+accelerator they act on the CPU (documented no-ops where the CPU has nothing to do:
+no cache to release, no separate generator to seed). Everything else (``amp``,
+``FloatTensor``, private helpers) is torch's own, reached through the stand-in.
+
+``is_available`` and ``device_count`` answer by caller: code outside torch gets the
+accelerator's answer, so a trainer takes its CUDA branch; torch's own modules (DeviceMesh,
+dynamo, inductor, DataLoader) get the truth, so they never take a CUDA-only path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import platform
+import sys
+import time
+import types
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from comm import translate
+from comm.translate import note, target_type
+
+__all__ = ["CudaStandIn", "targets"]
+
+_REAL = sys.modules["torch.cuda"]
+
+# torch.cuda's functions that act on one device, and what they return on the CPU.
+_ZERO_ON_CPU = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved")
+_NONE_ON_CPU = ("synchronize", "empty_cache", "reset_peak_memory_stats", "reset_max_memory_allocated",
+                "manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all")
+
+
+def _accelerator() -> Optional[types.ModuleType]:
+    """The accelerator's device module, or None on the CPU."""
+    kind = target_type()
+    if kind == "cpu":
+        return None
+    module = getattr(torch, kind, None)
+    return module if isinstance(module, types.ModuleType) else None
+
+
+def _index(device: Any) -> Optional[int]:
+    """The device index a CUDA call names (an int, ``"cuda:N"``, a device), or None for the current one."""
+    if device is None or isinstance(device, int):
+        return device
+    if isinstance(device, (str, torch.device)):
+        return torch.device(device).index
+    return int(device)
+
+
+def _from_torch(depth: int = 2) -> bool:
+    """Whether the function ``depth`` frames up was called from torch's (or comm's) own code."""
+    caller = str(sys._getframe(depth).f_globals.get("__name__", ""))
+    return caller.partition(".")[0] in ("torch", "comm")
+
+
+def _forwarded(name: str) -> Callable[..., Any]:
+    """``torch.cuda.<name>`` on the accelerator's module of the same name, or its CPU answer."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        module = _accelerator()
+        if module is None:
+            note(f"torch.cuda.{name}", lambda: f"torch.cuda.{name}() into the CPU's answer (no accelerator)")
+            return 0 if name in _ZERO_ON_CPU else _cpu_answer(name, *args)
+        if args and name not in ("manual_seed", "manual_seed_all", "set_rng_state", "set_rng_state_all"):
+            args = tuple(translate.translated_device(arg) for arg in args)
+        if "device" in kwargs:
+            kwargs["device"] = translate.translated_device(kwargs["device"])
+        target = getattr(module, name, None)
+        if target is None:  # torch.accelerator (torch >= 2.6) has the memory statistics too
+            target = getattr(getattr(torch, "accelerator", None), name, None)
+        if target is None:
+            raise AttributeError(f"torch.cuda.{name}: the {target_type()} device module has no {name}")
+        note(f"torch.cuda.{name}", lambda: f"torch.cuda.{name} into torch.{target_type()}.{name}")
+        return target(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = getattr(_REAL, name, call).__doc__
+    return call
+
+
+def _cpu_answer(name: str, *args: Any) -> Any:
+    if name == "get_rng_state":
+        return torch.get_rng_state()
+    if name == "get_rng_state_all":
+        return [torch.get_rng_state()]
+    if name == "get_device_name":
+        return platform.processor() or platform.machine() or "cpu"
+    if name == "get_device_properties":
+        return types.SimpleNamespace(name=_cpu_answer("get_device_name"), total_memory=_memory_info()[1],
+                                     multi_processor_count=os.cpu_count() or 1, major=0, minor=0)
+    if name == "mem_get_info":
+        return _memory_info()
+    if name == "is_bf16_supported":
+        return True
+    if name == "get_device_capability":
+        return (0, 0)
+    return None
+
+
+def _memory_info() -> Tuple[int, int]:
+    """(free, total) bytes of host memory, for ``mem_get_info`` on the CPU; (0, 0) where the OS cannot say."""
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name (macOS)
+        return 0, 0
+
+
+def is_available() -> bool:
+    if _from_torch():
+        return bool(_REAL.is_available())
+    note("torch.cuda.is_available", lambda: f"torch.cuda.is_available() into True (running on {target_type()})")
+    return True
+
+
+def device_count() -> int:
+    if _from_torch():
+        return int(_REAL.device_count())
+    module = _accelerator()
+    if module is not None:
+        return int(module.device_count())
+    # On the CPU: one "device" per local rank under a launcher, else one per core.
+    from comm.launch import launch_info
+
+    info = launch_info()
+    return info.local_world_size if info.launcher != "single" else os.cpu_count() or 1
+
+
+# The index torch.cuda.set_device chose on a CPU-only process (there is no device to bind).
+_cpu_index = 0
+
+
+def set_device(device: Any) -> None:
+    global _cpu_index
+    index = _index(device)
+    module = _accelerator()
+    note("torch.cuda.set_device", lambda: f"torch.cuda.set_device({device!r}) into "
+         + (f"torch.{target_type()}.set_device({index})" if module else "nothing (no accelerator: the CPU)"))
+    if index is None or index < 0:
+        return
+    if module is None:
+        _cpu_index = index
+    else:
+        module.set_device(index)
+
+
+def current_device() -> int:
+    module = _accelerator()
+    return _cpu_index if module is None else int(module.current_device())
+
+
+class device:  # noqa: N801  (torch.cuda.device's own name)
+    """``with torch.cuda.device(d):`` makes the accelerator's device ``d`` current (nothing on the CPU)."""
+
+    def __init__(self, device: Any) -> None:
+        self.index = _index(device)
+        self._context: Any = contextlib.nullcontext()
+
+    def __enter__(self) -> None:
+        module = _accelerator()
+        if module is not None and self.index is not None and self.index >= 0:
+            note("torch.cuda.device", lambda: f"torch.cuda.device into torch.{target_type()}.device")
+            self._context = module.device(self.index)
+        self._context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._context.__exit__(*exc)
+
+
+def _nvtx() -> types.SimpleNamespace:
+    """NVTX ranges do nothing off CUDA (a CPU build's raise)."""
+
+    @contextlib.contextmanager
+    def range(msg: str, *args: Any, **kwargs: Any) -> Iterator[None]:  # noqa: A001  (nvtx.range's own name)
+        yield
+
+    def nothing(*args: Any, **kwargs: Any) -> int:
+        return 0
+
+    return types.SimpleNamespace(range=range, range_push=nothing, range_pop=nothing, range_start=nothing,
+                                 range_end=nothing, mark=nothing)
+
+
+class CudaStandIn(types.ModuleType):
+    """``torch.cuda`` for a process without CUDA; what it does not define is torch's own."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_REAL, name)
+
+    def __dir__(self) -> List[str]:
+        return sorted(set(dir(_REAL)) | set(self.__dict__))
+
+
+# Functions forwarded by name to the accelerator's module (or their CPU answer).
+_FORWARDED = _ZERO_ON_CPU + _NONE_ON_CPU + (
+    "get_rng_state", "get_rng_state_all", "get_device_name", "get_device_properties", "mem_get_info",
+    "is_bf16_supported", "get_device_capability", "Stream", "Event", "current_stream", "default_stream", "stream",
+    "memory_stats")
+
+
+class HostEvent:
+    """``torch.cuda.Event`` on the CPU (torch's CPU backend has no events): it records the host's clock.
+
+    Work on the CPU is done when its call returns, so a recorded event has completed,
+    and ``elapsed_time`` is the host time between two records, in milliseconds.
+    """
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.recorded: Optional[float] = None
+
+    def record(self, stream: Any = None) -> None:
+        self.recorded = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        if not self.enable_timing or self.recorded is None or end.recorded is None:
+            raise RuntimeError("elapsed_time needs two recorded events created with enable_timing=True")
+        return (end.recorded - self.recorded) * 1000.0
+
+
+def _stream_on_cpu() -> Dict[str, Any]:
+    """Streams on the CPU: torch's CPU stream, in whose context nothing changes; events of the host's clock."""
+    return {
+        "Stream": lambda *args, **kwargs: torch.Stream("cpu"),
+        "Event": HostEvent,
+        "current_stream": lambda device=None: torch.Stream("cpu"),
+        "default_stream": lambda device=None: torch.Stream("cpu"),
+        "stream": lambda stream=None: contextlib.nullcontext(),
+        "memory_stats": lambda device=None: {},
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def stand_in() -> CudaStandIn:
+    module = CudaStandIn(_REAL.__name__, _REAL.__doc__)
+    for attr in ("__file__", "__path__", "__spec__", "__loader__", "__package__"):
+        if attr in _REAL.__dict__:
+            setattr(module, attr, _REAL.__dict__[attr])
+    cpu = _stream_on_cpu()
+    for name in _FORWARDED:
+        forwarded = _forwarded(name)
+        if name in cpu:
+            forwarded = _cpu_or(forwarded, cpu[name])
+        setattr(module, name, forwarded)
+    for function in (is_available, device_count, set_device, current_device, device):
+        setattr(module, function.__name__, function)
+    module.nvtx = _nvtx()  # type: ignore[attr-defined]
+    return module
+
+
+def _cpu_or(forwarded: Callable[..., Any], on_cpu: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forwarded)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return forwarded(*args, **kwargs) if _accelerator() is not None else on_cpu(*args, **kwargs)
+
+    return call
+
+
+def targets() -> List[Tuple[Any, str, Any]]:
+    module = stand_in()
+    return [(torch, "cuda", module), (sys.modules, "torch.cuda", module)]
+
+
+def keep_submodules() -> None:
+    """Submodules of torch.cuda imported while the stand-in stood in, given to torch's module too."""
+    for name, value in list(stand_in().__dict__.items()):
+        if isinstance(value, types.ModuleType) and name not in _REAL.__dict__:
+            setattr(_REAL, name, value)

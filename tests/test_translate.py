@@ -1,0 +1,388 @@
+"""comm.translate on a CPU-only process: CUDA-only calls act on the CPU, and unpatching puts torch back."""
+
+import io
+import logging
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import comm
+from comm import translate, translate_calls, translate_cuda
+
+from multiproc import error_of, quiet_env
+
+
+@pytest.fixture
+def translated():
+    """comm.patch() for one test, with every note logged again."""
+    translate.NOTED.clear()
+    comm.patch()
+    assert translate.is_installed()
+    yield
+    comm.unpatch()
+
+
+def _under_python_m_comm(tmp_path, source, *options):
+    """Run ``source`` as a script under ``python -m comm [options]``."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    return subprocess.run([sys.executable, "-m", "comm", *options, str(script)], capture_output=True, text=True,
+                          env=quiet_env(), timeout=300)
+
+
+def _seed_lines(tmp_path):
+    """The first seed's entry point, one process: every line that names CUDA."""
+    seen = {}
+    for name, line in [
+        ("set_device", lambda: torch.cuda.set_device(0)),
+        ("current_device", torch.cuda.current_device),
+        ("init_process_group", lambda: dist.init_process_group(
+            backend="nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)),
+        ("model.cuda", lambda: torch.nn.Linear(2, 2).cuda()),
+        ("model.cuda(0)", lambda: torch.nn.Linear(2, 2).cuda(0)),
+    ]:
+        seen[name] = error_of(line, catch=(RuntimeError, AttributeError, AssertionError), typed=True)
+    return seen
+
+
+def test_the_seed_fails_without_comm_and_runs_on_the_cpu_under_it(tmp_path):
+    assert _seed_lines(tmp_path) == {
+        "set_device": "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'",
+        "current_device": "AssertionError: Torch not compiled with CUDA enabled",
+        "init_process_group": "RuntimeError: Distributed package doesn't have NCCL built in",
+        "model.cuda": "AssertionError: Torch not compiled with CUDA enabled",
+        "model.cuda(0)": "RuntimeError: Cannot access accelerator device when none is available.",
+    }
+    (tmp_path / "store").unlink(missing_ok=True)
+    with comm.patched():
+        assert set(_seed_lines(tmp_path).values()) == {None}
+        try:
+            assert dist.get_backend() == "gloo"
+            total = torch.ones(2).cuda(0)
+            dist.all_reduce(total)
+            assert total.device == torch.device("cpu") and total.tolist() == [1.0, 1.0]
+            with torch.cuda.device(torch.device("cuda", 0)):
+                torch.cuda.empty_cache()
+        finally:
+            dist.destroy_process_group()
+
+
+def test_policy_user_code_takes_its_cuda_branch_torch_does_not(translated, launched):
+    assert torch.cuda.is_available() is True
+    assert torch.cuda.device_count() == (__import__("os").cpu_count() or 1)  # no launcher: one per core
+    launched({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"})
+    assert torch.cuda.device_count() == 2  # one "device" per local rank
+    # torch's own modules (DeviceMesh, dynamo, inductor, DataLoader) and comm get the truth.
+    for module in ("torch.distributed.device_mesh", "torch._inductor.fake", "comm.slot"):
+        scope = {"__name__": module, "torch": torch}
+        exec("answer = (torch.cuda.is_available(), torch.cuda.device_count())", scope)
+        assert scope["answer"] == (False, 0), module
+
+
+def test_device_arguments_become_the_cpu(translated):
+    cpu = torch.device("cpu")
+    x = torch.ones(2)
+    for device in ["cuda", "cuda:1", torch.device("cuda"), torch.device("cuda", 1), 0, 1]:
+        assert torch.device(translate.translated_device(device)) == cpu
+        assert x.to(device).device == cpu and x.to(device=device).device == cpu
+        assert torch.zeros(2, device=device).device == cpu
+        assert torch.nn.Linear(2, 2).to(device).weight.device == cpu
+    assert x.cuda().device == cpu and x.cuda(1, non_blocking=True).device == cpu
+    assert torch.nn.Linear(2, 2).cuda(1).weight.device == cpu
+    assert torch.tensor([1.0], device="cuda").device == cpu and torch.full((2,), 1.0, device="cuda:0").device == cpu
+    assert torch.empty(2, pin_memory=True).device == cpu and x.pin_memory() is x
+    assert x.new_zeros(2, device="cuda").device == cpu and x.new_tensor([1.0], device="cuda:1").device == cpu
+    torch.set_default_device("cuda")
+    try:
+        assert torch.empty(1).device == cpu
+    finally:
+        torch.set_default_device(None)
+    # Devices that are not CUDA's pass unchanged, as the same object.
+    for device in ["cpu", cpu, "meta"]:
+        assert translate.translated_device(device) is device
+
+
+def test_an_unknown_device_string_gets_torchs_own_error(translated):
+    bad = ["cudax", "cuda:x", "cuda:-2", "cuda:1:2"]
+
+    def errors():
+        return ([error_of(lambda d: torch.zeros(1, device=d), device) for device in bad],
+                [error_of(lambda d: torch.ones(1).to(d), device) for device in bad])
+
+    comm.unpatch()
+    expected = errors()
+    comm.patch()
+    assert None not in expected[0] + expected[1]
+    assert errors() == expected
+
+
+def test_backend_strings():
+    cases = {"nccl": "gloo", "NCCL": "gloo", "cuda:nccl": "cpu:gloo", "cpu:gloo,cuda:nccl": "cpu:gloo",
+             "cuda:nccl,cpu:gloo": "cpu:gloo", "gloo": "gloo", "mpi": "mpi", dist.Backend.NCCL: "gloo", None: None}
+    assert {given: translate_calls.translated_backend(given) for given in cases} == cases
+
+
+def _torch_objects():
+    import torch.amp.grad_scaler
+    import torch.distributed.device_mesh
+    import torch.utils.data
+    from torch.amp.autocast_mode import autocast
+    from torch.nn.parallel import DistributedDataParallel
+
+    return {
+        "torch.cuda": torch.cuda, "sys.modules": sys.modules["torch.cuda"],
+        "Tensor": {name: torch.Tensor.__dict__.get(name) for name in ("to", "cuda", "pin_memory")},
+        "Module.to": torch.nn.Module.__dict__["to"], "DDP": DistributedDataParallel.__dict__["__init__"],
+        "DataLoader": torch.utils.data.DataLoader.__dict__["__init__"],
+        "autocast": autocast.__dict__["__init__"], "GradScaler": torch.amp.grad_scaler.GradScaler.__dict__["__init__"],
+        "factories": {name: getattr(torch, name) for name in translate_calls.factory_names()},
+        "dist": [dist.init_process_group, dist.new_group, dist.distributed_c10d.init_process_group,
+                 torch.distributed.device_mesh.init_device_mesh],
+        "load": [torch.load, torch.serialization.load],
+    }
+
+
+def test_unpatch_restores_torchs_exact_objects():
+    before = _torch_objects()
+    assert before["Tensor"] == {"to": None, "cuda": None, "pin_memory": None}  # inherited from TensorBase
+    assert len(before["factories"]) > 40 and "zeros" in before["factories"]
+    with comm.patched():
+        during = _torch_objects()
+        assert during["torch.cuda"] is during["sys.modules"] is not before["torch.cuda"]
+        for key in ("Module.to", "DDP", "DataLoader", "autocast", "GradScaler"):
+            assert during[key] is not before[key], key
+        assert all(during["factories"][name] is not before["factories"][name] for name in before["factories"])
+        with comm.patched():  # nested: the outer block's translation stays
+            pass
+        assert translate.is_installed()
+    after = _torch_objects()
+    assert after == before and after["torch.cuda"] is before["torch.cuda"]
+    assert all(after["factories"][name] is before["factories"][name] for name in before["factories"])
+    assert "to" not in torch.Tensor.__dict__
+
+
+def test_switching_it_off(monkeypatch):
+    with pytest.raises(TypeError, match="devices must be a bool"):
+        comm.patch(devices="yes")
+    with comm.patched(devices=False):
+        assert not translate.is_installed() and not isinstance(torch.cuda, translate_cuda.CudaStandIn)
+        assert error_of(torch.cuda.set_device, 0, catch=(AttributeError,)) is not None
+    monkeypatch.setenv("COMM_TRANSLATE", "0")
+    with comm.patched():
+        assert comm.is_patched() and not translate.is_installed()
+    monkeypatch.setenv("COMM_TRANSLATE", "maybe")
+    with pytest.raises(ValueError, match="COMM_TRANSLATE='maybe' is not understood"):
+        comm.patch()
+    comm.unpatch()
+
+
+def test_python_m_comm_no_devices(tmp_path):
+    source = "import torch\ntorch.cuda.set_device(0)\nprint('bound', torch.ones(1).cuda().device)\n"
+    translated_run = _under_python_m_comm(tmp_path, source)
+    assert translated_run.returncode == 0 and "bound cpu" in translated_run.stdout, translated_run.stderr
+    untranslated = _under_python_m_comm(tmp_path, source, "--no-devices")
+    assert untranslated.returncode != 0 and "_cuda_setDevice" in untranslated.stderr
+
+
+def test_a_cuda_process_is_untouched(monkeypatch):
+    """What a CUDA machine reports, stubbed at the two probes translate asks (NVML's count, the build)."""
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 2)
+
+    def initialises_cuda():
+        raise AssertionError("patch() asked torch.cuda.is_available(), which starts CUDA's driver")
+
+    monkeypatch.setattr(torch.cuda, "is_available", initialises_cuda)
+    assert translate.cuda_present()
+    before = _torch_objects()
+    with comm.patched():
+        assert comm.is_patched() and not translate.is_installed()
+        assert _torch_objects() == before and torch.cuda is before["torch.cuda"]
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 0)  # a CUDA wheel on a machine without a GPU
+    assert not translate.cuda_present()
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)  # NVML cannot be asked: the runtime is
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert translate.cuda_present()
+
+
+def test_each_kind_logs_one_info_line(translated, caplog):
+    with caplog.at_level(logging.INFO, logger="comm.translate"):
+        for _ in range(3):
+            torch.ones(2).to("cuda")
+            torch.zeros(2, device="cuda:0")
+            torch.cuda.set_device(0)
+    lines = [record.getMessage() for record in caplog.records if record.name == "comm.translate"]
+    assert lines == [
+        "comm translated Tensor.to(device='cuda') into device='cpu'",
+        "comm translated torch.zeros(device='cuda:0') into device='cpu'",
+        "comm translated torch.cuda.set_device(0) into nothing (no accelerator: the CPU)",
+    ]
+
+
+def test_amp_runs_on_the_cpu(translated):
+    x = torch.ones(4, 4, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert (x @ x).dtype == torch.bfloat16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.cuda.amp's deprecation
+        with torch.cuda.amp.autocast(dtype=torch.bfloat16):
+            assert (x @ x).dtype == torch.bfloat16
+        scalers = [torch.amp.GradScaler("cuda"), torch.amp.GradScaler(), torch.cuda.amp.GradScaler()]
+    # Off CUDA torch disables them (fp16 trains unscaled); translated, they scale on the CPU.
+    assert [scaler.is_enabled() for scaler in scalers] == [True, True, True]
+    parameter = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([parameter], lr=0.5)
+    scalers[0].scale(parameter.sum()).backward()
+    scalers[0].step(optimizer)
+    scalers[0].update()
+    assert parameter.tolist() == [0.5, 0.5]
+
+
+def _checkpoint_saved_on_cuda():
+    """The bytes of torch.save({"w": tensor}) on cuda:1, made on a CPU build by tagging the storage cuda:1."""
+    registry = torch.serialization._package_registry
+    tagger = (999, lambda storage: "cuda:1", lambda storage, location: None)
+    registry.insert(0, tagger)
+    try:
+        buffer = io.BytesIO()
+        torch.save({"w": torch.arange(4.0)}, buffer)
+    finally:
+        registry.remove(tagger)
+    return buffer.getvalue()
+
+
+def test_torch_load_of_a_cuda_checkpoint(translated):
+    saved = _checkpoint_saved_on_cuda()
+    comm.unpatch()
+    assert "on a CUDA device but torch.cuda.is_available() is False" in error_of(torch.load, io.BytesIO(saved))
+    comm.patch()
+    for map_location in [None, "cuda:0", torch.device("cuda", 1), {"cuda:1": "cuda:0"}, {"cuda:7": "cpu"},
+                         lambda storage, location: None]:
+        loaded = torch.load(io.BytesIO(saved), map_location=map_location)
+        assert loaded["w"].device == torch.device("cpu") and loaded["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_torchscript_compiles_what_calls_the_factories(translated):
+    @torch.jit.script
+    def made(n: int) -> torch.Tensor:
+        return torch.zeros(n) + torch.ones(n, device=torch.device("cpu"))
+
+    assert made(3).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_torch_cuda_on_the_cpu(translated):
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    torch.cuda.manual_seed(123)
+    torch.cuda.manual_seed_all(123)  # the CPU generator is not reseeded
+    assert torch.equal(torch.rand(3), expected)
+    assert [torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(0), torch.cuda.memory_reserved()] == [0] * 3
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < free <= total
+    assert isinstance(torch.cuda.get_device_name(0), str) and torch.cuda.get_device_properties(0).total_memory == total
+    assert torch.cuda.is_bf16_supported() and torch.equal(torch.cuda.get_rng_state(), torch.get_rng_state())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.device(1), torch.cuda.nvtx.range("step"):
+        torch.cuda.nvtx.range_push("inner")
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.current_stream().synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    end.record()
+    end.synchronize()
+    assert start.query() and 0 <= start.elapsed_time(end) < 1000
+    assert torch.cuda.get_device_capability() == (0, 0)
+    torch.cuda.set_device("cuda:1")
+    assert torch.cuda.current_device() == 1
+    torch.cuda.set_device(0)
+
+
+def test_pinned_data_loader_on_the_cpu(translated):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not even torch's "pin_memory set but no accelerator"
+        (batch,) = next(iter(DataLoader(TensorDataset(torch.ones(4, 2)), batch_size=2, pin_memory=True)))
+    assert batch.cuda(non_blocking=True).shape == (2, 2)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_nothing_is_translated(tmp_path):
+    """`make gpu-check`: a script run under python -m comm on a real GPU is exactly torch."""
+    run = _under_python_m_comm(
+        tmp_path,
+        "import logging, sys, torch\n"
+        "logging.basicConfig(level=logging.INFO)  # a translation would log its line here\n"
+        "import comm\n"
+        "real = sys.modules['torch.cuda'].__class__ is type(sys)\n"
+        "torch.cuda.set_device(0)\n"
+        "x = torch.ones(2).cuda()\n"
+        "y = torch.zeros(2, device='cuda:0').to(torch.device('cuda', 0))\n"
+        "print('translated', comm.translate.is_installed(), 'real torch.cuda', real,\n"
+        "      'Tensor.to replaced', 'to' in torch.Tensor.__dict__, 'devices', x.device, y.device,\n"
+        "      'available', torch.cuda.is_available())\n",
+    )
+    assert run.returncode == 0, run.stderr
+    assert ("translated False real torch.cuda True Tensor.to replaced False devices cuda:0 cuda:0 available True"
+            in run.stdout), run.stdout
+    assert "comm translated" not in run.stderr
+    from test_examples import EXAMPLES, _torchrun
+
+    trainer = _torchrun("--standalone", "--nproc-per-node", "1", "-m", "comm", str(EXAMPLES / "cuda_trainer.py"),
+                        "--epochs", "1")
+    assert trainer.returncode == 0, trainer.stderr
+    assert "model on cuda:0, backend nccl" in trainer.stdout and "rank 0: all_reduce sum 1" in trainer.stdout
+
+
+def test_multiprocessing_spawn_children_run_patched(tmp_path):
+    """A plain multiprocessing child (spawn start method) of a script under python -m comm is patched too."""
+    run = _under_python_m_comm(
+        tmp_path,
+        "import multiprocessing, torch\n"
+        "def child(queue):\n"
+        "    import comm\n"
+        "    queue.put((comm.is_patched(), str(torch.ones(1).cuda().device)))\n"
+        "if __name__ == '__main__':\n"
+        "    context = multiprocessing.get_context('spawn')\n"
+        "    queue = context.Queue()\n"
+        "    process = context.Process(target=child, args=(queue,))\n"
+        "    process.start()\n"
+        "    print('child', queue.get(timeout=60))\n"
+        "    process.join()\n",
+    )
+    assert run.returncode == 0, run.stderr
+    assert "child (True, 'cpu')" in run.stdout
+
+
+def test_no_stand_in_torch_npu_where_the_real_one_can_be_imported(monkeypatch):
+    import importlib.machinery
+    import importlib.util
+
+    from comm.testing import _torch_npu
+
+    real = importlib.machinery.ModuleSpec("torch_npu", None, origin="/site-packages/torch_npu/__init__.py")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: real if name == "torch_npu" else None)
+    assert _torch_npu.install() is False and "torch_npu" not in sys.modules
+
+
+def test_the_stand_in_lists_torchs_names_too(translated):
+    names = dir(torch.cuda)
+    assert {"set_device", "amp", "FloatTensor", "nvtx"} <= set(names)
+    assert torch.cuda.amp is sys.modules["torch.cuda.amp"]
+    assert torch.cuda.FloatTensor is translate_cuda._REAL.FloatTensor  # not translated: torch's own
+
+
+def test_starting_the_simulation_without_editing_the_script_refuses_bad_names():
+    bad = subprocess.run([sys.executable, "-c", "import comm"], capture_output=True, text=True,
+                         env=quiet_env(COMM_SIMULATE="npu:hccl:x"), timeout=120)
+    assert bad.returncode != 0 and "COMM_SIMULATE='npu:hccl:x' is not a device type" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "comm", "--simulate"], capture_output=True, text=True,
+                             env=quiet_env(), timeout=120)
+    assert missing.returncode != 0 and "--simulate needs an accelerator name" in missing.stderr
