@@ -95,7 +95,7 @@ def _explicit(name: str) -> Callable[..., Any]:
     # torch's signature for help() and inspect, without __wrapped__: dynamo would take
     # the wrapper for torch's own function and not trace into it.
     explicit.__signature__ = inspect.signature(TORCH[name])  # type: ignore[attr-defined]
-    del explicit.__wrapped__  # type: ignore[attr-defined]
+    del explicit.__wrapped__
     return explicit
 
 

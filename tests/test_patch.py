@@ -1,4 +1,4 @@
-"""comm.patch: every group equipped with comm's backend, torch's functions untouched, restored exactly, safe from threads."""
+"""comm.patch: every group equipped with comm's backend, torch's functions untouched; restored exactly, from threads."""
 
 import inspect
 import subprocess
@@ -39,7 +39,7 @@ def test_patch_and_unpatch_restore_the_exact_objects():
     originals = _snapshot()
     comm.patch()
     assert comm.is_patched()
-    for (module_name, name), original in _snapshot(PLACES).items():
+    for module_name, name in _snapshot(PLACES):
         stand_in = getattr(sys.modules[module_name], name)
         replaced = originals[(module_name, name)]
         assert stand_in is not replaced and stand_in.__comm_replaces__ is replaced

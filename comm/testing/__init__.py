@@ -21,9 +21,10 @@ record the host's time, so timing events measure host time);
 operators run the CPU's kernels (its dtypes, numerics and errors); device random
 numbers come from the CPU generator (no ``torch.Generator("npu")``); collectives
 run on gloo (what gloo lacks fails with gloo's error; ``unsupported_ops`` adds the
-refusals of a real part, and :func:`fail_next` a broken link's failures); ``memory_reserved`` counts bytes allocated on a device since
-its last ``empty_cache``, with no caching and no out-of-memory; pinned memory is
-ordinary host memory that remembers it was pinned. It needs torch >= 2.13 (its
+refusals of a real part, and :func:`fail_next` a broken link's failures);
+``memory_reserved`` counts bytes allocated on a device since its last
+``empty_cache``, with no caching and no out-of-memory; pinned memory is ordinary
+host memory that remembers it was pinned. It needs torch >= 2.13 (its
 headers are what the C++ is written against), a C++ compiler and ninja.
 """
 
