@@ -34,13 +34,17 @@ OLDEST_TORCH = (2, 13)
 class Extension:
     """One C++ extension: its sources, and the build of them this process loaded."""
 
-    def __init__(self, name: str, csrc: Path, sources: Sequence[str], headers: Sequence[str], what: str) -> None:
+    def __init__(self, name: str, csrc: Path, sources: Sequence[str], headers: Sequence[str], what: str,
+                 switch: Optional[str] = None) -> None:
         self.name, self.csrc, self.sources, self.headers, self.what = name, csrc, tuple(sources), tuple(headers), what
+        self.switch = switch  # an environment variable that turns the extension off when "0"
         self._lock = threading.Lock()
         self._module: Optional[ModuleType] = None
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this process cannot build or load the extension, or None when it can."""
+        if self.switch is not None and os.environ.get(self.switch, "").strip() == "0":
+            return f"{self.what} is turned off ({self.switch}=0)"
         version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
         if version < OLDEST_TORCH:
             return f"{self.what} needs torch >= 2.13; this is torch {torch.__version__}"
@@ -127,6 +131,7 @@ STAGING = Extension(
     ("staging_backend.cpp", "staged_work.cpp", "module.cpp"),
     ("staging.h",),
     "comm's staging backend",
+    switch="COMM_STAGING",
 )
 SIMULATED = Extension(
     "comm_simulated",

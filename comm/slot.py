@@ -126,9 +126,9 @@ def ready(group: Optional[dist.ProcessGroup]) -> bool:
 def staged_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     """The device types comm's backend serves on ``group``."""
     pg = _resolve(group)
-    native = STAGING.load() if STAGING.is_built() else None
-    if native is None:
-        return frozenset()
+    if not STAGING.is_loaded():
+        return frozenset()  # nothing can have equipped a group yet
+    native = STAGING.load()
     return frozenset(d.type for d in pg._device_types if native.staging_target(pg._get_backend(d)) is not None)
 
 
@@ -145,7 +145,8 @@ def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = No
     if tensor.device.type in served:
         return None
     staged = [d for d in pg._device_types if d.type == tensor.device.type]
-    target = STAGING.load().staging_target(pg._get_backend(staged[0])) if staged else target_device(pg, served)
+    target = STAGING.load().staging_target(pg._get_backend(staged[0])) if staged else None
+    target = target if target is not None else target_device(pg, served)
     if target.index is None and target.type != "cpu":
         from comm.device import current_device
 

@@ -286,3 +286,34 @@ def test_a_staged_call_issues_no_device_operation_the_hand_written_fix_does_not(
             assert sum(by_hand.values()) > 0, name
             extra = through_comm - by_hand
             assert not extra, f"{name}: comm also runs {dict(extra)} on the device (by hand: {dict(by_hand)})"
+
+
+def _without_the_backend(rank, world_size):
+    """COMM_STAGING=0: no staging backend. comm's own calls stage in Python; torch's fail as torch's do."""
+    comm.patch()
+    seen = {"staged types": sorted(comm.staged_types()), "torch": error_of(dist.all_reduce, torch.ones(2))}
+    tensor = _values(rank, "cpu")
+    comm.all_reduce(tensor)
+    outputs = [torch.zeros(6) for _ in range(world_size)]
+    work = comm.all_gather(outputs, _values(rank, "cpu"), async_op=True)
+    before_wait = [t.clone() for t in outputs]
+    work.wait()
+    mixed = torch.zeros(6)  # an NPU tensor received into a CPU one, and the reverse
+    if rank == 0:
+        comm.send(_values(0, torch.device("npu", 0)), 1)
+    else:
+        comm.recv(mixed, 0)
+    seen.update(summed=tensor, gathered=outputs, before_wait=before_wait, mixed=mixed, stats=comm.stats())
+    return seen
+
+
+def test_without_the_backend_comms_calls_stage_in_python():
+    results = run_ranks(_without_the_backend, backend="hccl", simulate=NPU, env={"COMM_STAGING": "0"})
+    for rank, seen in enumerate(results):
+        assert seen["staged types"] == [] and seen["torch"] == SEED_ERROR
+        assert torch.equal(seen["summed"], _values(0, "cpu") + _values(1, "cpu"))
+        assert all(torch.equal(got, _values(r, "cpu")) for r, got in enumerate(seen["gathered"]))
+        assert all(not t.any() for t in seen["before_wait"])  # written back by wait(), not before
+        if rank == 1:
+            assert torch.equal(seen["mixed"], _values(0, "cpu"))
+        assert seen["stats"]["all_reduce"]["staged_calls"] == 1 and seen["stats"]["all_gather"]["staged_calls"] == 1

@@ -1,0 +1,97 @@
+"""comm.slot on a real GPU (`make gpu-check`): CPU tensors on an nccl group, by every road, and what staging costs."""
+
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.distributed_c10d import _coalescing_manager
+
+import comm
+
+from multiproc import SEED_ERROR
+
+pytestmark = pytest.mark.cuda
+
+
+def test_cpu_tensors_on_a_real_nccl_group_by_every_road(nccl_group):
+    with pytest.raises(RuntimeError, match=SEED_ERROR):
+        dist.all_reduce(torch.ones(4))
+    assert comm.equip() == {"cpu"}
+    values = torch.arange(8.0)
+    summed = values.clone()
+    dist.all_reduce(summed)  # torch's own call, staged by comm's backend
+    assert torch.equal(summed, values) and summed.device.type == "cpu"
+    averaged = values.clone()
+    dist.all_reduce(averaged, op=dist.ReduceOp.AVG)  # run as SUM then divide on the copy
+    assert torch.equal(averaged, values)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)  # a CPU model over the nccl group: DDP's reducer and parameter check
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp(values.reshape(1, 8)).sum().backward()
+    assert torch.equal(model.weight.grad, values.reshape(1, 8).expand(2, 8))
+    first, second = values.clone(), values.clone() * 2
+    with _coalescing_manager(async_ops=True) as manager:
+        dist.all_reduce(first)
+        dist.all_reduce(second)
+    manager.wait()
+    assert torch.equal(first, values) and torch.equal(second, values * 2)
+    with tempfile.TemporaryDirectory() as path:
+        future = dcp.async_save({"w": values.clone()}, checkpoint_id=path)
+        on_device = torch.ones(4, device="cuda")
+        while not future.done():  # the training thread keeps using the group
+            dist.all_reduce(on_device)
+        future.result()
+        loaded = {"w": torch.zeros(8)}
+        dcp.load(loaded, checkpoint_id=path)
+        assert torch.equal(loaded["w"], values)
+
+
+def test_a_device_mesh_whose_groups_split(nccl_group):
+    """Bound to a device, DeviceMesh splits its groups from the default one: comm's backend splits with them."""
+    comm.patch()
+    try:
+        mesh = torch.distributed.device_mesh.init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp", "tp"))
+        for name in ("dp", "tp"):
+            group = mesh.get_group(name)
+            assert comm.staged_types(group) == {"cpu"}, name
+            tensor = torch.full((3,), 2.0)
+            dist.all_reduce(tensor, group=group)
+            assert torch.equal(tensor, torch.full((3,), 2.0))
+    finally:
+        comm.unpatch()
+
+
+def test_staged_bandwidth_of_a_256_mib_pageable_tensor(nccl_group):
+    """A staged all_reduce of 256 MiB of pageable CPU memory against the fix by hand through pinned memory."""
+    comm.equip()
+    host = torch.ones(1 << 26)  # 256 MiB of float32, pageable
+    pinned = torch.empty_like(host).pin_memory()
+
+    def by_hand():
+        pinned.copy_(host)
+        staged = pinned.to("cuda", non_blocking=True)
+        dist.all_reduce(staged)
+        pinned.copy_(staged, non_blocking=True)
+        torch.cuda.synchronize()
+        host.copy_(pinned)
+
+    def through_comm():
+        dist.all_reduce(host)
+        torch.cuda.synchronize()
+
+    seconds = {}
+    for name, call in (("by hand", by_hand), ("comm", through_comm)):
+        call()
+        start = time.perf_counter()
+        for _ in range(5):
+            call()
+        seconds[name] = (time.perf_counter() - start) / 5
+    gigabytes = 2 * host.nbytes / 1e9  # in and back
+    rates = {name: gigabytes / s for name, s in seconds.items()}
+    print(f"\nstaged all_reduce of 256 MiB pageable: comm {rates['comm']:.1f} GB/s, by hand through pinned memory "
+          f"{rates['by hand']:.1f} GB/s, ratio {rates['comm'] / rates['by hand']:.3f} (target >= 0.87)")
+    assert torch.equal(host[:4], torch.ones(4))
+    assert rates["comm"] >= 0.87 * rates["by hand"]
