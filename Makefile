@@ -14,7 +14,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test,lint]'
 	touch $@
 
+# The C++ extensions are built first, once per machine (cached): ranks must not each compile at first use.
 test: $(VENV)/.installed
+	$(PY) -m comm.build --simulated
 	$(PY) -m pytest -n auto -q
 
 # DEMO_ARGS=--no-simulate runs the FSDP2 example on plain CPU gloo.
@@ -25,7 +27,7 @@ demo: $(VENV)/.installed
 	@$(TORCHRUN) examples/bind_and_reduce.py
 	@echo "== the same on the simulated NPU (hccl) =="
 	@$(TORCHRUN) examples/bind_and_reduce.py --simulate npu
-	@echo "== FSDP2 with CPUOffloadPolicy on the simulated NPU: torch's clip, then comm's =="
+	@echo "== FSDP2 with CPUOffloadPolicy on the simulated NPU: torch's clip fails, then trains once comm equips the group =="
 	@$(TORCHRUN) examples/fsdp2_offload_clip.py $(DEMO_ARGS)
 	@echo "== a full state dict from CPU-offloaded FSDP2 shards: torch alone, then under python -m comm =="
 	@$(TORCHRUN) examples/full_state_dict.py --simulate npu 2>&1 | grep -m1 -o "RuntimeError: No backend type.*" || true

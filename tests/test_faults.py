@@ -42,7 +42,7 @@ def _check_survivor(report, staged):
     assert report["seconds"] < PG_TIMEOUT + 10
     if staged:
         assert report["message"].endswith(
-            "comm staged all_reduce: 1 tensor(s), 16 bytes, cpu -> npu; the caller's tensors were not written")
+            "comm staged all_reduce: 1 tensor(s), 16 bytes, cpu -> npu:0; the caller's tensors were not written")
 
 
 def test_a_killed_rank_fails_the_survivor_on_gloo():

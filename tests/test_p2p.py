@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import comm
 
-from faults import FAILURE_MODES, failure_problems, register_faulty_backend
+from faults import FAILURE_MODES, failure_problems
 from multiproc import NPU, SEED_ERROR, error_of, run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
@@ -177,8 +177,7 @@ def test_cpu_tensors_on_simulated_hccl():
 
 
 def _failures_leave_tensors_unchanged(rank, world_size):
-    register_faulty_backend()
-    group = dist.new_group([0, 1], backend="faulty")
+    group = dist.new_group([0, 1])
     peer = 1 - rank
     problems = []
     calls = {

@@ -228,7 +228,13 @@ void StagingBackend::setTimeout(std::chrono::milliseconds timeout) {
 void StagingBackend::startCoalescing() {
   auto& comm = communicator();
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(!coalescing_, "comm's staging backend: startCoalescing inside a coalescing block");
+  if (coalescing_) {
+    // A block that raised before its end (torch's coalescing manager then never calls
+    // endCoalescing): forget what it issued, and close the communicator's block.
+    coalescedWorks_.clear();
+    coalescedBacks_.clear();
+    if (communicatorCoalesces_) comm.endCoalescing();
+  }
   coalescing_ = true;
   communicatorCoalesces_ = comm.supportsCoalescing();
   if (communicatorCoalesces_) comm.startCoalescing();
