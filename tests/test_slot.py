@@ -152,12 +152,14 @@ def _async_save_beside_training(rank, world_size):
     path = os.path.join(os.environ["COMM_TEST_STORE"] + "-checkpoint")
     state = {"weight": _values(rank, "cpu", 64), "step": torch.tensor(7)}
     future = dcp.async_save(state, checkpoint_id=path)
-    reduced = 0
-    while not future.done() or reduced < 20:  # the training thread keeps using the group meanwhile
+    reduced, busy = 0, True
+    while busy or reduced < 20:  # the training thread keeps using the group meanwhile
         tensor = _values(rank, torch.device("npu", rank))
         dist.all_reduce(tensor)
         assert torch.equal(tensor.cpu(), _values(0, "cpu") + _values(1, "cpu"))
-        reduced += 1
+        still = torch.tensor([0.0 if future.done() else 1.0], device=torch.device("npu", rank))
+        dist.all_reduce(still)  # both ranks go on until both saves are done: the same calls on each
+        busy, reduced = bool(still.item()), reduced + 1
     future.result()
     loaded = {"weight": torch.zeros(64), "step": torch.tensor(0)}
     dcp.load(loaded, checkpoint_id=path)
