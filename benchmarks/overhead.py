@@ -6,8 +6,8 @@ each per round, the order rotating round by round so drift hits all three alike.
 Each row shows the medians and the two ratios against the reference.
 
 Part 1, two gloo ranks in a process with the simulated NPU, 16 floats: torch's own
-function on the patched (equipped) default group, against the same function on a
-twin group of the same ranks made before the patch. comm's backend sits in the
+function on the equipped default group (as comm.patch() leaves it), against the same
+function on an unequipped twin group of the same ranks. comm's backend sits in the
 NPU slot of the first; a CPU call never meets it. Then comm's explicit all_reduce
 against torch's, on the same group: what the explicit API adds.
 Part 2, two ranks on the simulated NPU (hccl): CPU tensors through torch's own
@@ -64,8 +64,8 @@ def _served_calls(group: dist.ProcessGroup, rank: int, numel: int) -> Dict[str, 
 
 def served(rank: int, calls: int) -> List[Dict[str, Any]]:
     """Each served call on the equipped default group against the same call on an unequipped twin."""
-    twin = dist.new_group([0, 1])  # made before the patch: comm's backend is not in it
-    comm.patch()
+    twin = dist.new_group([0, 1])  # left unequipped: comm's backend is not in it
+    comm.equip()  # what comm.patch() does to every group
     assert comm.staged_types() == {"npu"} and not comm.staged_types(twin)
     plain, equipped = _served_calls(twin, rank, 16), _served_calls(dist.group.WORLD, rank, 16)
     rows = [_row(name, rotate([call, equipped[name], call], calls)) for name, call in plain.items()]
