@@ -184,11 +184,11 @@ def device_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     return _served_types(_resolve_group(group))
 
 
-def _served_types(group: dist.ProcessGroup, backends: Optional[Dict[str, str]] = None) -> FrozenSet[str]:
+def _served_types(group: dist.ProcessGroup) -> FrozenSet[str]:
     """The device types ``group`` serves: its registered backends', else its backend config's."""
     types = frozenset(d.type for d in getattr(group, "_device_types", ()))
     if not types:
-        types = frozenset(_backends_by_device(_backend_config(group)) if backends is None else backends)
+        types = frozenset(_backends_by_device(_backend_config(group)))
     if not types:
         raise RuntimeError(f"cannot tell which device types process group {group!r} serves")
     return types
