@@ -200,9 +200,9 @@ TORCH_CASES = {
 TORCH_WORLD = 2
 
 
-@pytest.mark.parametrize("calls", [["all_reduce_coalesced", "gather", "scatter", "barrier"],
+@pytest.mark.parametrize("calls", [["all_reduce_coalesced", "barrier"], ["gather", "scatter"],
                                    ["send", "recv", "isend", "irecv", "batch_isend_irecv"]],
-                         ids=["collectives", "point-to-point"])
+                         ids=["reductions", "rooted", "point-to-point"])
 def test_torchs_own_distributed_tests_pass_patched(tmp_path, calls):
     """torch's cases pass under COMM_PATCH=1 exactly as without it: every rank patched, nothing of torch's replaced."""
     import json
