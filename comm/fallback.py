@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from comm.backend import _resolve_group, _served_types
 from comm.observability import count_staged
+from comm.slot import own_types, target_device
 from comm.work import DeferredWork
 
 __all__ = ["group_of", "mixes_devices", "run"]
@@ -62,8 +63,6 @@ class _Copies:
     """The copies one call made: onto the group's device, and back into the caller's tensors."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
-        from comm.slot import own_types, target_device
-
         pg = _resolve_group(group)
         self.served: FrozenSet[str] = own_types(pg) or _served_types(pg)
         self.target = target_device(pg, self.served)

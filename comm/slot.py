@@ -36,7 +36,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from comm._native import STAGING
-from comm.backend import _backend_config, _backends_by_device, _GroupCache
+from comm.backend import _backend_config, _backends_by_device, _GroupCache, _resolve_group
+from comm.device import accelerator_type, bound_device, current_device
 
 __all__ = ["equip", "existing_groups", "own_types", "ready", "staged_types", "staging_device", "target_device",
            "unavailable_reason"]
@@ -78,7 +79,7 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     CPU nor any device of this process. Idempotent; call it on every rank of the
     group (the communicator comm makes later is a collective of the group's ranks).
     """
-    pg = _resolve(group)
+    pg = _resolve_group(group)
     with _LOCK:
         served = _registered_types(pg)
         missing = _missing_types(served)
@@ -125,7 +126,7 @@ def ready(group: Optional[dist.ProcessGroup]) -> bool:
 
 def staged_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     """The device types comm's backend serves on ``group``."""
-    pg = _resolve(group)
+    pg = _resolve_group(group)
     if not STAGING.is_loaded():
         return frozenset()  # nothing can have equipped a group yet
     native = STAGING.load()
@@ -140,7 +141,7 @@ def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = No
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    pg = _resolve(group)
+    pg = _resolve_group(group)
     served = own_types(pg)
     if tensor.device.type in served:
         return None
@@ -148,8 +149,6 @@ def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = No
     target = STAGING.load().staging_target(pg._get_backend(staged[0])) if staged else None
     target = target if target is not None else target_device(pg, served)
     if target.index is None and target.type != "cpu":
-        from comm.device import current_device
-
         return current_device(target.type)
     return torch.device(target)
 
@@ -159,20 +158,12 @@ def own_types(group: dist.ProcessGroup) -> FrozenSet[str]:
     return _registered_types(group) - staged_types(group)
 
 
-def _resolve(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    from comm.backend import _resolve_group
-
-    return _resolve_group(group)
-
-
 def _registered_types(pg: dist.ProcessGroup) -> FrozenSet[str]:
     return frozenset(d.type for d in pg._device_types)
 
 
 def _missing_types(served: FrozenSet[str]) -> List[str]:
     """The device types this process computes on that ``served`` lacks, where one of them can stand in."""
-    from comm.device import accelerator_type
-
     here = ["cpu"]
     accelerator = accelerator_type()
     if accelerator != "cpu":
@@ -188,8 +179,6 @@ def target_device(pg: dist.ProcessGroup, served: FrozenSet[str]) -> torch.device
     Where neither is bound, this process's accelerator without an index: the current
     device of the thread that makes the first staged call, fixed from then on.
     """
-    from comm.device import accelerator_type, bound_device
-
     for bound in (getattr(pg, "bound_device_id", None), bound_device()):
         if bound is not None and bound.type in served:
             return torch.device(bound)
