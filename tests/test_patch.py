@@ -182,43 +182,42 @@ def test_comm_patch_environment_variable():
     assert bad.returncode != 0 and "COMM_PATCH='maybe' is not understood" in bad.stderr
 
 
-# PyTorch's own DistributedTest cases (torch/testing/_internal/distributed/distributed_test.py) for the
-# calls comm wraps that run on gloo: its all_to_all cases run on MPI only, its list reduce_scatter
-# cases on NCCL only, and its *_group cases need 8 ranks (tests/test_collectives.py covers those).
-TORCH_CASES = {
-    "all_reduce_coalesced": ["test_all_reduce_coalesced_sum", "test_all_reduce_coalesced_max",
-                             "test_all_reduce_coalesced_full_group_sum"],
-    "gather": ["test_gather", "test_gather_checks", "test_gather_full_group"],
-    "scatter": ["test_scatter", "test_scatter_checks", "test_scatter_full_group"],
-    "send": ["test_send_recv", "test_send_recv_with_tag"],
-    "recv": ["test_send_recv_any_source"],
-    "isend": ["test_isend"],
-    "irecv": ["test_irecv"],
-    "batch_isend_irecv": ["test_batch_isend_irecv_gloo", "test_batch_isend_irecv_gloo_tags"],
-    "barrier": ["test_barrier", "test_barrier_full_group"],
-}
+# PyTorch's own DistributedTest cases (torch/testing/_internal/distributed/distributed_test.py), selected in
+# tests/torch_suite.py. Its all_to_all cases run on MPI only, its *_group cases need more ranks: both skip on
+# gloo with two, with and without comm (tests/test_collectives.py compares those calls with torch).
 TORCH_WORLD = 2
 
 
-@pytest.mark.parametrize("calls", [["all_reduce_coalesced", "barrier"], ["gather", "scatter"],
-                                   ["send", "recv", "isend", "irecv", "batch_isend_irecv"]],
-                         ids=["reductions", "rooted", "point-to-point"])
-def test_torchs_own_distributed_tests_pass_patched(tmp_path, calls):
-    """torch's cases pass under COMM_PATCH=1 exactly as without it: every rank patched, nothing of torch's replaced."""
-    import json
+def _torch_suite(tmp_path, patch):
+    """Starts tests/torch_suite.py: torch's DistributedTest cases for c10d's calls, on gloo."""
     import os
 
-    cases = [case for call in calls for case in TORCH_CASES[call]]
-    stats_dir = tmp_path / "stats"
+    stats_dir = tmp_path / f"stats-{patch}"
     stats_dir.mkdir()
-    env = {**os.environ, "COMM_PATCH": "1", "BACKEND": "gloo", "WORLD_SIZE": str(TORCH_WORLD),
+    env = {**os.environ, "COMM_PATCH": patch, "BACKEND": "gloo", "WORLD_SIZE": str(TORCH_WORLD),
            "TEMP_DIR": str(tmp_path), "STATS_DIR": str(stats_dir), "PYTHONWARNINGS": "ignore"}
     suite = os.path.join(os.path.dirname(__file__), "torch_suite.py")
-    run = subprocess.run([sys.executable, suite, *cases], capture_output=True, text=True, env=env, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert report["ran"] == len(cases) and report["failures"] == [] and report["skipped"] == [], run.stderr[-3000:]
-    for call in calls:
-        for case in TORCH_CASES[call]:
+    return stats_dir, subprocess.Popen([sys.executable, suite], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=env)
+
+
+def test_torchs_own_distributed_tests_pass_patched(tmp_path):
+    """torch's cases for every collective, p2p call and barrier pass under COMM_PATCH=1 exactly as without it."""
+    import json
+
+    runs = {patch: _torch_suite(tmp_path, patch) for patch in ("0", "1")}
+    reports = {}
+    for patch, (stats_dir, run) in runs.items():
+        out, err = run.communicate(timeout=900)
+        assert run.returncode == 0, err[-3000:]
+        reports[patch] = json.loads(out.strip().splitlines()[-1])
+        assert reports[patch]["failures"] == [], err[-3000:]
+        for case in reports[patch]["passed"]:
             ranks = [json.loads((stats_dir / f"{case}.{rank}.json").read_text()) for rank in range(TORCH_WORLD)]
-            assert all(seen["patched"] for seen in ranks), case
+            assert all(seen["patched"] == (patch == "1") for seen in ranks), case
+    assert reports["1"] == reports["0"]
+    passed = reports["1"]["passed"]
+    assert len(passed) >= 60, passed
+    for call in ("all_reduce_coalesced", "all_gather_coalesced", "broadcast", "reduce_sum", "gather", "scatter",
+                 "send_recv_any_source", "isend", "irecv", "batch_isend_irecv", "barrier"):
+        assert any(case.startswith(f"test_{call}") for case in passed), call
