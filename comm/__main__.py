@@ -59,18 +59,18 @@ def main(argv: Optional[List[str]] = None) -> None:
             return
     if not args:
         sys.exit(f"python -m comm: expected a script or -m module to run\n\n{USAGE}")
+    if args[0] == "-m" and len(args) < 2:
+        sys.exit("python -m comm: -m needs a module name")
+    if args[0] != "-m" and not os.path.isfile(args[0]):
+        sys.exit(f"python -m comm: can't open file {args[0]!r}: no such file")
     comm.patch(clip_grad_norm=clip, devices=devices)
     if args[0] == "-m":
-        if len(args) < 2:
-            sys.exit("python -m comm: -m needs a module name")
         module, rest = args[1], args[2:]
         sys.argv = [module, *rest]
         sys.path.insert(0, os.getcwd())
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:
         script, rest = args[0], args[1:]
-        if not os.path.isfile(script):
-            sys.exit(f"python -m comm: can't open file {script!r}: no such file")
         sys.argv = [script, *rest]
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         runpy.run_path(script, run_name="__main__")

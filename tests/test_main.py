@@ -6,6 +6,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+import comm
+import comm.__main__ as comm_main
+
 REPORT = textwrap.dedent(
     """
     import json, sys
@@ -59,10 +64,12 @@ def test_exceptions_show_the_users_traceback(tmp_path):
     assert "ValueError: boom from the user" in result.stderr
 
 
-def test_help_and_usage_errors(tmp_path):
-    help_text = _comm("--help")
-    assert help_text.returncode == 0 and "python -m comm [--no-clip] script.py" in help_text.stdout
-    nothing = _comm()
-    assert nothing.returncode != 0 and "expected a script or -m module" in nothing.stderr
-    missing = _comm(str(tmp_path / "absent.py"))
-    assert missing.returncode != 0 and "no such file" in missing.stderr
+def test_help_and_usage_errors(tmp_path, capsys):
+    """In this process: the errors come before anything is patched."""
+    comm_main.main(["--help"])
+    assert "python -m comm [--no-clip] script.py" in capsys.readouterr().out
+    for argv, message in [([], "expected a script or -m module"), (["-m"], "-m needs a module name"),
+                          ([str(tmp_path / "absent.py")], "no such file")]:
+        with pytest.raises(SystemExit, match=message):
+            comm_main.main(argv)
+        assert not comm.is_patched()

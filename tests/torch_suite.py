@@ -51,9 +51,9 @@ def main():
     result = unittest.TextTestRunner(stream=sys.stderr, verbosity=2).run(
         unittest.TestSuite(TorchSuite(name) for name in names))
     failed = {test.id().split(".")[-1] for test, _ in result.failures + result.errors}
-    skipped = {test.id().split(".")[-1] for test, _ in result.skipped}
-    report = {"ran": sorted(names), "failures": sorted(failed), "skipped": sorted(skipped),
-              "passed": sorted(set(names) - failed - skipped)}
+    skipped = {test.id().split(".")[-1]: reason for test, reason in result.skipped}
+    report = {"ran": sorted(names), "failures": sorted(failed), "skipped": skipped,
+              "passed": sorted(set(names) - failed - set(skipped))}
     print(json.dumps(report))
 
 
