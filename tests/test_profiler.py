@@ -324,8 +324,14 @@ def test_comm_profile_0_or_unset_profiles_nothing(monkeypatch):
         assert comm.profiler._ACTIVE == () and _torch_entries()
 
 
-def test_comm_profile_prints_on_rank_0_or_every_rank_under_torchrun(tmp_path):
+def test_comm_profile_prints_on_rank_0_or_every_rank(tmp_path):
+    """Under torchrun rank 0 alone prints; with ``all`` a rank other than 0 (its rank from the launcher's
+    variables, as before a group exists) prints too."""
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     assert re.findall(r"comm.profile, rank (\d) of 2: 5 calls", _run(tmp_path, "1", *torchrun).stderr) == ["0"]
-    assert sorted(re.findall(r"comm.profile, rank (\d) of 2: 5 calls", _run(tmp_path, "all", *torchrun).stderr)) \
-        == ["0", "1"]
+    rank_1 = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for value, prints in (("1", False), ("all", True)):
+        result = subprocess.run([sys.executable, "-c", "import comm"], capture_output=True, text=True,
+                                env=quiet_env(COMM_PROFILE=value, **rank_1), timeout=180)
+        assert result.returncode == 0, result.stderr
+        assert result.stderr.startswith("comm.profile") == prints, result.stderr

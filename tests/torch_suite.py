@@ -1,11 +1,13 @@
 """Runs PyTorch's own DistributedTest cases (shipped in the torch wheel) for c10d's calls, and reports them as JSON.
 
-    BACKEND=gloo WORLD_SIZE=2 TEMP_DIR=... STATS_DIR=... COMM_PATCH=1 python tests/torch_suite.py
+    BACKEND=gloo WORLD_SIZE=2 TEMP_DIR=... STATS_DIR=... COMM_PATCH=1 python tests/torch_suite.py [SHARD COUNT]
 
 The cases are every DistributedTest case named for a collective, a point-to-point
 call or barrier, less those for CUDA, NCCL and DDP. Each case forks WORLD_SIZE ranks
 from this process, which imported ``comm``: with ``COMM_PATCH=1`` every rank runs
 torch's test patched. Each rank writes to STATS_DIR whether it was patched.
+With SHARD and COUNT it runs every COUNT-th case from the SHARD-th (cases mostly
+wait on each other's ranks, so shards run side by side well).
 torch's module reads BACKEND, WORLD_SIZE and TEMP_DIR when imported.
 """
 
@@ -46,8 +48,8 @@ def case_names():
             if name.startswith("test_") and CALLS.search(name) and not NOT_ON_GLOO.search(name)]
 
 
-def main():
-    names = case_names()
+def main(shard, count):
+    names = case_names()[shard::count]
     result = unittest.TextTestRunner(stream=sys.stderr, verbosity=2).run(
         unittest.TestSuite(TorchSuite(name) for name in names))
     failed = {test.id().split(".")[-1] for test, _ in result.failures + result.errors}
@@ -58,4 +60,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(*(int(arg) for arg in sys.argv[1:3] or (0, 1)))
