@@ -11,6 +11,11 @@ TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc-per-node 2
 
 $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test]'
+	touch $@
+
+# The linters only where they run: make test need not install them (about 9 s).
+$(VENV)/.lint-installed: $(VENV)/.installed
 	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test,lint]'
 	touch $@
 
@@ -36,7 +41,7 @@ demo: $(VENV)/.installed
 	@$(TORCHRUN) examples/cuda_trainer.py 2>&1 | grep -m1 -o "AttributeError: module 'torch._C'.*" || true
 	@$(TORCHRUN) -m comm --simulate npu examples/cuda_trainer.py
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.lint-installed
 	$(VENV)/bin/ruff check comm tests examples benchmarks
 	$(VENV)/bin/mypy --strict comm
 

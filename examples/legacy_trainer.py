@@ -8,10 +8,6 @@ same file works, unchanged:
 
     torchrun --standalone --nproc-per-node 2 examples/legacy_trainer.py --simulate npu          # fails
     torchrun --standalone --nproc-per-node 2 -m comm examples/legacy_trainer.py --simulate npu  # works
-
-``--compile BACKEND`` runs each training step through ``torch.compile`` (``aot_eager`` on
-the simulated NPU, whose device inductor cannot generate code for); the losses are the
-eager run's, step by step.
 """
 
 import argparse
@@ -28,7 +24,6 @@ def main() -> None:
     parser.add_argument("--simulate", metavar="DEVICE", help="simulate an accelerator (e.g. npu) on a CPU-only machine")
     parser.add_argument("--backend", default="hccl")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--compile", metavar="BACKEND", help="compile each training step with this backend")
     args = parser.parse_args()
     if args.simulate:
         import comm.testing
@@ -55,10 +50,9 @@ def main() -> None:
         dist.all_reduce(metric)
         return metric / world_size
 
-    step_fn = torch.compile(train_step, backend=args.compile) if args.compile else train_step
     for step in range(args.steps):
         inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
-        mean_loss = step_fn(inputs).item()
+        mean_loss = train_step(inputs).item()
         sys.stdout.write(f"rank {rank}: step {step} mean loss {mean_loss!r}\n")
     checksum = sum(p.detach().sum().item() for p in model.parameters())
     sys.stdout.write(f"rank {rank}: mean loss {mean_loss:.6f} parameter checksum {checksum:.6f}\n")

@@ -238,7 +238,50 @@ def _hccl_scenario(rank, world_size):
     assert _run(_function(comm, step), npu_make).graphs == _run(_function(dist, step), npu_make).graphs
     backends["inductor"] = _inductor_on_npu(step, make, npu_make)
     _check_norms(rank, world_size)  # CPU gradients on the hccl group: staged by the eager call at the break
+    with comm.patched():
+        _check_training_steps(rank, world_size)
     return backends
+
+
+def _training_step(model, optimizer, inputs, world_size):
+    """A step as trainers that keep gradients on the CPU write it: torch's all_reduce and torch's clip."""
+    loss = torch.nn.functional.mse_loss(model(inputs), inputs.prod(dim=1, keepdim=True))
+    optimizer.zero_grad()
+    loss.backward()
+    for parameter in model.parameters():
+        dist.all_reduce(parameter.grad)
+        parameter.grad /= world_size
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    metric = loss.detach().reshape(1).clone()
+    dist.all_reduce(metric)
+    return metric / world_size
+
+
+def _train(backend, rank, world_size, steps=3):
+    """Losses, final parameters and staged all_reduce calls of a few steps, compiled with ``backend`` (or eager)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(inputs):
+        return _training_step(model, optimizer, inputs, world_size)
+
+    torch._dynamo.reset()
+    comm.reset_stats()
+    run = torch.compile(step, backend=backend) if backend else step
+    losses = [run(torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * i + rank))) for i in range(steps)]
+    return losses, [parameter.detach().clone() for parameter in model.parameters()], \
+        comm.stats()["all_reduce"]["staged_calls"]
+
+
+def _check_training_steps(rank, world_size):
+    """Training steps compiled with aot_eager give eager's losses and parameters bit for bit, staging as many calls."""
+    eager_losses, eager_parameters, eager_staged = _train(None, rank, world_size)
+    compiled_losses, compiled_parameters, compiled_staged = _train("aot_eager", rank, world_size)
+    assert all(torch.equal(a, b) for a, b in zip(eager_losses, compiled_losses)), (eager_losses, compiled_losses)
+    assert all(torch.equal(a, b) for a, b in zip(eager_parameters, compiled_parameters))
+    assert compiled_staged == eager_staged == 3 * 5  # per step: 4 gradients and the metric
 
 
 def _counting(backend):
@@ -265,7 +308,8 @@ def _inductor_on_npu(step, make, npu_make):
 
 
 def test_staging_path_compiles_on_simulated_hccl():
-    """CPU tensors on the hccl group: the copies, the collective and the write-back in one graph."""
+    """CPU tensors on the hccl group: the copies, the collective and the write-back in one graph; a
+    training step of CPU gradients compiled under the patch."""
     backends = run_ranks(_hccl_scenario, 2, backend=NPU["backend"], simulate=NPU, timeout=600)[0]
     assert backends["eager"] == backends["aot_eager"] == "ok"
     # The simulated device has no inductor code generator; a staged graph holds only CPU tensors.
