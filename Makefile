@@ -5,18 +5,21 @@ PY := $(VENV)/bin/python
 # torch warns at import when numpy is absent; comm does not need numpy.
 export PYTHONWARNINGS := ignore:Failed to initialize NumPy
 export OMP_NUM_THREADS ?= 1
+# pip installs without compiling every file of torch (about 30 s); each module is compiled
+# once, when first imported, which needs bytecode writing on even where the caller turned it off.
+export PYTHONDONTWRITEBYTECODE :=
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc-per-node 2
 
 .PHONY: test demo bench lint gpu-check wheel clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test]'
+	$(PY) -m pip install --quiet --no-compile --constraint constraints.txt --editable '.[test]'
 	touch $@
 
 # The linters only where they run: make test need not install them (about 9 s).
 $(VENV)/.lint-installed: $(VENV)/.installed
-	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test,lint]'
+	$(PY) -m pip install --quiet --no-compile --constraint constraints.txt --editable '.[test,lint]'
 	touch $@
 
 # The C++ extensions are built first, once per machine (cached): ranks must not each compile at first use.
