@@ -19,6 +19,22 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+               world_size: int) -> torch.Tensor:
+    """One step; returns the loss averaged over the ranks."""
+    loss = nn.functional.mse_loss(model(inputs), inputs.prod(dim=1, keepdim=True))
+    optimizer.zero_grad()
+    loss.backward()
+    for parameter in model.parameters():
+        dist.all_reduce(parameter.grad)  # a CPU tensor on the accelerator's group
+        parameter.grad /= world_size
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    metric = loss.detach().reshape(1).clone()
+    dist.all_reduce(metric)
+    return metric / world_size
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulate", metavar="DEVICE", help="simulate an accelerator (e.g. npu) on a CPU-only machine")
@@ -37,22 +53,9 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))  # kept on the CPU
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 
-    def train_step(inputs: torch.Tensor) -> torch.Tensor:
-        loss = nn.functional.mse_loss(model(inputs), inputs.prod(dim=1, keepdim=True))
-        optimizer.zero_grad()
-        loss.backward()
-        for parameter in model.parameters():
-            dist.all_reduce(parameter.grad)  # a CPU tensor on the accelerator's group
-            parameter.grad /= world_size
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        metric = loss.detach().reshape(1).clone()
-        dist.all_reduce(metric)
-        return metric / world_size
-
     for step in range(args.steps):
         inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
-        mean_loss = train_step(inputs).item()
+        mean_loss = train_step(model, optimizer, inputs, world_size).item()
         sys.stdout.write(f"rank {rank}: step {step} mean loss {mean_loss!r}\n")
     checksum = sum(p.detach().sum().item() for p in model.parameters())
     sys.stdout.write(f"rank {rank}: mean loss {mean_loss:.6f} parameter checksum {checksum:.6f}\n")

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from test_examples import example
 from torch.distributed import ReduceOp
 
 import comm
@@ -243,29 +244,15 @@ def _hccl_scenario(rank, world_size):
     return backends
 
 
-def _training_step(model, optimizer, inputs, world_size):
-    """A step as trainers that keep gradients on the CPU write it: torch's all_reduce and torch's clip."""
-    loss = torch.nn.functional.mse_loss(model(inputs), inputs.prod(dim=1, keepdim=True))
-    optimizer.zero_grad()
-    loss.backward()
-    for parameter in model.parameters():
-        dist.all_reduce(parameter.grad)
-        parameter.grad /= world_size
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    metric = loss.detach().reshape(1).clone()
-    dist.all_reduce(metric)
-    return metric / world_size
-
-
 def _train(backend, rank, world_size, steps=3):
     """Losses, final parameters and staged all_reduce calls of a few steps, compiled with ``backend`` (or eager)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    train_step = example("legacy_trainer").train_step
 
     def step(inputs):
-        return _training_step(model, optimizer, inputs, world_size)
+        return train_step(model, optimizer, inputs, world_size)
 
     torch._dynamo.reset()
     comm.reset_stats()
@@ -276,7 +263,8 @@ def _train(backend, rank, world_size, steps=3):
 
 
 def _check_training_steps(rank, world_size):
-    """Training steps compiled with aot_eager give eager's losses and parameters bit for bit, staging as many calls."""
+    """examples/legacy_trainer.py's steps (torch's all_reduce of CPU gradients, torch's clip) compiled with aot_eager
+    give eager's losses and parameters bit for bit, staging as many calls."""
     eager_losses, eager_parameters, eager_staged = _train(None, rank, world_size)
     compiled_losses, compiled_parameters, compiled_staged = _train("aot_eager", rank, world_size)
     assert all(torch.equal(a, b) for a, b in zip(eager_losses, compiled_losses)), (eager_losses, compiled_losses)

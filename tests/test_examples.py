@@ -1,5 +1,6 @@
 """The examples, run as users run them: under real torchrun, on the CPU and the simulated NPU."""
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -8,6 +9,15 @@ from pathlib import Path
 from multiproc import SEED_ERROR, free_port, quiet_env, skip_unless_simulation
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def example(name):
+    """examples/``name``.py as a module, for the functions it defines."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would: dynamo looks functions' modules up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def _torchrun(*args, timeout=240):

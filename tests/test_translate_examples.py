@@ -4,7 +4,6 @@ Each rank's losses are compared with a one-process reference: the union of the
 ranks' batches in one process, whose gradient is DDP's average.
 """
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -12,16 +11,9 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-from test_examples import EXAMPLES, _torchrun
+from test_examples import EXAMPLES, _torchrun, example
 
 from multiproc import free_port, quiet_env, skip_unless_simulation
-
-
-def _example(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _train_on_the_union(model, learning_rate, batches):
@@ -42,7 +34,7 @@ def _train_on_the_union(model, learning_rate, batches):
 def _trainer_reference(epochs=2, world_size=2):
     from torch.utils.data import DistributedSampler
 
-    trainer = _example("cuda_trainer")
+    trainer = example("cuda_trainer")
     dataset = trainer.make_dataset()
     batches = []
     for epoch in range(epochs):
@@ -104,7 +96,7 @@ def test_cuda_trainer_on_a_cpu_only_machine_and_without_comm():
 
 
 def _spawn_reference(world_size=2):
-    trainer = _example("cuda_spawn_trainer")
+    trainer = example("cuda_spawn_trainer")
     batches = [[trainer.batch(step, rank) for rank in range(world_size)] for step in range(trainer.STEPS)]
     return _train_on_the_union(trainer.make_model(), trainer.LEARNING_RATE, batches)
 
