@@ -26,15 +26,22 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-# The C++ is written against torch 2.13's headers; older releases lack parts of the
-# PrivateUse1 and c10d interfaces it implements.
-OLDEST_TORCH = (2, 13)
+from comm._releases import TORCH_VERSION
+
+# The oldest torch whose PrivateUse1 and c10d interfaces the C++ builds against; what
+# differs from one release to the next is in csrc/torch_releases.h.
+OLDEST_TORCH = (2, 9)
+# The C++ shared by both extensions: csrc/torch_releases.h.
+_SHARED = Path(__file__).with_name("csrc")
+# Written into a build's folder once the build has finished: torch's own lock file
+# there cannot say so (from torch 2.14 it stays behind after the build).
+_FINISHED = "comm-build-finished"
 
 
 class Extension:
     """One C++ extension: its sources, and the build of them this process loaded."""
 
-    def __init__(self, name: str, csrc: Path, sources: Sequence[str], headers: Sequence[str], what: str,
+    def __init__(self, name: str, csrc: Path, sources: Sequence[str], headers: Sequence[Path], what: str,
                  switch: Optional[str] = None) -> None:
         self.name, self.csrc, self.sources, self.headers, self.what = name, csrc, tuple(sources), tuple(headers), what
         self.switch = switch  # an environment variable that turns the extension off when "0"
@@ -45,13 +52,15 @@ class Extension:
         """Why this process cannot build or load the extension, or None when it can."""
         if self.switch is not None and os.environ.get(self.switch, "").strip() == "0":
             return f"{self.what} is turned off ({self.switch}=0)"
-        version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-        if version < OLDEST_TORCH:
-            return f"{self.what} needs torch >= 2.13; this is torch {torch.__version__}"
+        if TORCH_VERSION < OLDEST_TORCH:
+            oldest = ".".join(map(str, OLDEST_TORCH))
+            return (f"{self.what} needs torch >= {oldest}; this is torch {torch.__version__}: "
+                    f"pip install 'torch>={oldest}' (with torch_npu, the torch_npu of the same release)")
         if not torch.distributed.is_available():
             return "this torch is built without torch.distributed"
         if self.is_built():
             return None  # what follows is needed to build it
+        # Imported only to build: it takes a while, and on a CUDA wheel without CUDA it warns.
         from torch.utils import cpp_extension
 
         compiler = os.environ.get("CXX", "c++")
@@ -80,7 +89,7 @@ class Extension:
     def is_built(self) -> bool:
         """Whether this machine has a finished build of these sources for this torch."""
         directory, library = self._build_paths()
-        return library.exists() and not (directory / "lock").exists()
+        return library.exists() and (directory / _FINISHED).exists()
 
     def _build_paths(self) -> Tuple[Path, Path]:
         name = f"{self.name}_{self._fingerprint()}"
@@ -96,23 +105,24 @@ class Extension:
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             return module
-        from torch.utils import cpp_extension
+        from torch.utils import cpp_extension  # imported only to build (see unavailable_reason)
 
         directory.mkdir(parents=True, exist_ok=True)
         built: ModuleType = cpp_extension.load(
             library.stem,
             [str(self.csrc / source) for source in self.sources],
             extra_cflags=["-O2"],
-            extra_include_paths=[str(self.csrc)],
+            extra_include_paths=sorted({str(self.csrc), str(_SHARED)}),
             build_directory=str(directory),
             verbose=False,
         )
+        (directory / _FINISHED).touch()
         return built
 
     def _fingerprint(self) -> str:
         digest = hashlib.sha256()
-        for source in self.sources + self.headers:
-            digest.update((self.csrc / source).read_bytes())
+        for path in [self.csrc / source for source in self.sources] + list(self.headers):
+            digest.update(path.read_bytes())
         digest.update(f"{torch.__version__} {sys.version} {platform.machine()}".encode())
         return digest.hexdigest()[:16]
 
@@ -127,9 +137,9 @@ def _cache_root() -> Path:
 
 STAGING = Extension(
     "comm_staging",
-    Path(__file__).with_name("csrc"),
+    _SHARED,
     ("staging_backend.cpp", "staged_work.cpp", "module.cpp"),
-    ("staging.h",),
+    (_SHARED / "staging.h", _SHARED / "torch_releases.h"),
     "comm's staging backend",
     switch="COMM_STAGING",
 )
@@ -137,6 +147,6 @@ SIMULATED = Extension(
     "comm_simulated",
     Path(__file__).parent / "testing" / "csrc",
     ("device.cpp", "backend.cpp"),
-    ("simulated.h",),
+    (Path(__file__).parent / "testing" / "csrc" / "simulated.h", _SHARED / "torch_releases.h"),
     "the simulated accelerator's C++ core",
 )

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import HashStore  # type: ignore[attr-defined]  # not in torch.distributed.__all__
 
+from comm._releases import TORCH_VERSION
 from comm.device import accelerator_type, bind
 from comm.launch import LaunchInfo, launch_info
 
@@ -250,7 +251,6 @@ _NATIVE_AVG_SINCE: Dict[str, Optional[Dict[str, Tuple[int, int]]]] = {
     "mpi": None,  # ProcessGroupMPI maps no AVG op
     "ucc": None,  # not every UCC transport implements AVG
 }
-_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def _native_avg(group: dist.ProcessGroup, device_type: str, kind: str) -> bool:
@@ -261,7 +261,7 @@ def _native_avg(group: dist.ProcessGroup, device_type: str, kind: str) -> bool:
     if backend not in _NATIVE_AVG_SINCE:
         return True
     since = _NATIVE_AVG_SINCE[backend]
-    return since is not None and kind in since and _TORCH_VERSION >= since[kind]
+    return since is not None and kind in since and TORCH_VERSION >= since[kind]
 
 
 def _backend_capability(backend: str) -> FrozenSet[str]:

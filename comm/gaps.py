@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from comm._releases import flat_gather
 from comm.backend import _native_avg, _resolve_group
 from comm.work import DeferredWork
 
@@ -55,8 +56,7 @@ def _asks_avg(args: Any, kwargs: Any) -> bool:
     return any(op == ReduceOp.AVG for op in ops)
 
 
-# torch >= 2.12 deprecates all_gather_into_tensor in favour of all_gather_single.
-_FLAT_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_FLAT_GATHER = flat_gather()
 Gap = Callable[[Callable[..., Any], Tuple[Any, ...], Dict[str, Any]], Any]
 
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from comm._native import STAGING
+from comm._releases import backend_options
 from comm.backend import _backend_config, _backends_by_device, _GroupCache, _resolve_group
 from comm.device import accelerator_type, bound_device, current_device
 
@@ -222,8 +223,7 @@ def _communicator_factory(pg: dist.ProcessGroup, target: torch.device) -> Callab
 
 
 def _timeout(pg: dist.ProcessGroup, target: torch.device) -> datetime.timedelta:
-    options = getattr(pg._get_backend(target), "options", None)
-    timeout = getattr(options, "_timeout", None)
+    timeout = getattr(backend_options(pg._get_backend(target)), "_timeout", None)
     return timeout if isinstance(timeout, datetime.timedelta) else c10d.default_pg_timeout
 
 
