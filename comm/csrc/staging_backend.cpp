@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include "staging.h"
+#include "torch_releases.h"
 
 namespace comm_native {
 namespace {
@@ -114,7 +115,7 @@ class StagingBackend::Call {
       return c10d::ReduceOp(c10d::ReduceOp::SUM);
     }
     if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
-      auto* factor = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+      auto* factor = dynamic_cast<comm_releases::PreMulSumFactor*>(op.supplement_.get());
       TORCH_CHECK(factor != nullptr, "ReduceOp.PREMUL_SUM without its factor");
       for (const auto& tensor : inputs) {
         if (factor->tensor_factor.defined()) {
@@ -414,7 +415,7 @@ WorkPtr StagingBackend::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensor
   auto staged_out = call.out(outputs);
   auto staged_opts = opts;
   staged_opts.reduceOp = call.reduceOp(opts.reduceOp, staged_in, getSize());
-  return finish(call, c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, [&](c10d::Backend& comm) {
+  return finish(call, comm_releases::kReduceScatterTensorCoalesced, [&](c10d::Backend& comm) {
     return comm.reduce_scatter_tensor_coalesced(staged_out, staged_in, staged_opts);
   });
 }

@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "simulated.h"
+#include "torch_releases.h"
 
 namespace comm_sim {
 namespace {
@@ -161,7 +162,7 @@ class SimulatedBackend final : public c10d::Backend {
     auto host_outputs = to_host(outputs);
     auto host_inputs = to_host(inputs);
     return done(host_->reduce_scatter_tensor_coalesced(host_outputs, host_inputs, opts), outputs,
-                c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED);
+                comm_releases::kReduceScatterTensorCoalesced);
   }
   WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
                         std::vector<int64_t>& input_splits, const c10d::AllToAllOptions& opts) override {

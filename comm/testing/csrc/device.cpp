@@ -434,6 +434,16 @@ void run_on_host_for(const std::vector<std::string>& names) {
   for (const auto& name : names) library.impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&run_on_host>());
 }
 
+// Operators without an autograd kernel of their own (c10d's collectives) pass the
+// device's autograd key through to its kernel, as torch 2.13 does for every
+// PrivateUse1 device (VariableFallbackKernel.cpp); torch 2.9 has no such fallback, and a plugin
+// registers one (torch's own test plugin, open_registration_extension.cpp, did).
+void pass_autograd_through_where_torch_does_not() {
+  if (c10::Dispatcher::singleton().hasBackendFallbackForDispatchKey(c10::DispatchKey::AutogradPrivateUse1)) return;
+  static torch::Library library(torch::Library::IMPL, "_", c10::DispatchKey::AutogradPrivateUse1, __FILE__, __LINE__);
+  library.fallback(torch::CppFunction::makeFallthrough());
+}
+
 } // namespace
 
 at::Tensor host_view(const at::Tensor& tensor) {
@@ -449,6 +459,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK(count > 0 && count <= kMaxDevices, "device_count must be in [1, ", kMaxDevices, "]");
     device_count = count;
     at::RegisterPrivateUse1HooksInterface(&hooks);
+    pass_autograd_through_where_torch_does_not();
   });
   m.def("run_on_host_for", &run_on_host_for);
   m.def("device_count", []() { return device_count.load(); });
