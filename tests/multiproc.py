@@ -42,6 +42,31 @@ NPU = {"name": "npu", "backend": "hccl"}
 SEED_ERROR = "No backend type associated with device type cpu"
 
 
+def no_cuda_errors() -> Dict[str, str]:
+    """torch's errors when code written for CUDA runs where there is no CUDA, by what the code does.
+
+    The CPU wheel has no CUDA bindings and no NCCL; a CUDA wheel (what pip installs on
+    x86) finds no driver, and words the nccl error its own way from release to release.
+    """
+    import torch
+
+    if torch.version.cuda is None:
+        not_compiled = "AssertionError: Torch not compiled with CUDA enabled"
+        return {"set_device": "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'",
+                "current_device": not_compiled, "model.cuda": not_compiled,
+                "model.cuda(0)": "RuntimeError: Cannot access accelerator device when none is available.",
+                "model.cuda(rank) beside an npu": "RuntimeError: Invalid device, must be cuda device",
+                "nccl": "RuntimeError: Distributed package doesn't have NCCL built in"}
+    from comm._releases import TORCH_VERSION
+
+    no_driver = ("RuntimeError: Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU "
+                 "and installed a driver from http://www.nvidia.com/Download/index.aspx")
+    nccl = ("RuntimeError: nccl2 requires at least one CUDA device" if TORCH_VERSION >= (2, 15)
+            else "ValueError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!")
+    return {"set_device": no_driver, "current_device": no_driver, "model.cuda": no_driver,
+            "model.cuda(0)": no_driver, "model.cuda(rank) beside an npu": no_driver, "nccl": nccl}
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int = 2,
