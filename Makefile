@@ -1,6 +1,16 @@
 # Every target installs what it needs into .venv first, so a fresh clone needs only Python.
 PYTHON ?= python3
+# TORCH=<release> (e.g. make test TORCH=2.9.1) runs a target on that torch release, in a venv
+# of its own; without it, the release pinned in constraints.txt, in .venv.
+PINNED_TORCH := $(shell sed -n 's/^torch==//p' constraints.txt)
+TORCH ?= $(PINNED_TORCH)
+ifeq ($(TORCH),$(PINNED_TORCH))
 VENV := .venv
+CONSTRAINTS := constraints.txt
+else
+VENV := .venv-torch$(TORCH)
+CONSTRAINTS := $(VENV)/constraints.txt
+endif
 PY := $(VENV)/bin/python
 # torch warns at import when numpy is absent; comm does not need numpy.
 export PYTHONWARNINGS := ignore:Failed to initialize NumPy
@@ -12,14 +22,17 @@ TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc-per-node 2
 
 .PHONY: test demo bench lint gpu-check wheel clean
 
+# PIP_CONSTRAINT replaces any constraint file pip's own configuration names (a machine may cap
+# torch's release there) with this venv's, which pins its torch.
 $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile --constraint constraints.txt --editable '.[test]'
+	test "$(CONSTRAINTS)" = constraints.txt || echo "torch==$(TORCH)" > $(CONSTRAINTS)
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install --quiet --no-compile --editable '.[test]'
 	touch $@
 
 # The linters only where they run: make test need not install them (about 9 s).
 $(VENV)/.lint-installed: $(VENV)/.installed
-	$(PY) -m pip install --quiet --no-compile --constraint constraints.txt --editable '.[test,lint]'
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install --quiet --no-compile --editable '.[test,lint]'
 	touch $@
 
 # The C++ extensions are built first, once per machine (cached): ranks must not each compile at first use.
@@ -66,4 +79,4 @@ wheel: $(VENV)/.installed
 	$(PY) -m pip wheel --no-deps --quiet --wheel-dir dist .
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache build dist
+	rm -rf .venv .venv-torch* *.egg-info .pytest_cache build dist
