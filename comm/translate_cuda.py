@@ -11,9 +11,10 @@ subclassing and ``torch.cuda.Stream | None`` work. Capability and property queri
 answer as CUDA's do, with values that describe no CUDA architecture where the
 accelerator has none.
 
-``is_available`` and ``device_count`` answer by caller: code outside torch gets the
-accelerator's answer, so a trainer takes its CUDA branch; torch's own modules (DeviceMesh,
-dynamo, inductor, DataLoader) get the truth, so they never take a CUDA-only path.
+``is_available`` and ``device_count`` answer by caller: the user's script and its own
+modules get the accelerator's answer, so a trainer takes its CUDA branch; torch, comm
+and installed libraries get the truth, so they never take a CUDA-only path (except the
+device-selection frameworks that then run on the device through ``torch.cuda``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import functools
 import os
 import platform
 import sys
+import sysconfig
 import time
 import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -60,10 +62,49 @@ def _index(device: Any) -> Optional[int]:
     return int(device)
 
 
-def _from_torch(depth: int = 2) -> bool:
-    """Whether the function ``depth`` frames up was called from torch's (or comm's) own code."""
-    caller = str(sys._getframe(depth).f_globals.get("__name__", ""))
-    return caller.partition(".")[0] in ("torch", "comm")
+# Installed packages that choose the device from is_available() and then run on it through
+# torch.cuda's functions, which the stand-in translates: Lightning's accelerator="cuda".
+DEVICE_SELECTORS = frozenset({"lightning", "lightning_fabric", "pytorch_lightning"})
+_OWN = frozenset({"torch", "comm"})
+_INSTALLED = ("site-packages", "dist-packages")
+
+
+def _sees_the_truth(depth: int = 2) -> bool:
+    """Whether the function ``depth`` frames up was called by code that must see that there is no CUDA.
+
+    That is torch and comm, and installed packages (code in a site-packages or
+    dist-packages folder, or the standard library) other than the device-selection
+    frameworks of :data:`DEVICE_SELECTORS`: a library told ``True`` takes paths that
+    need CUDA itself (capability checks, Triton kernels, fused optimizers). The user's
+    script and its own modules see ``True``.
+    """
+    frame = sys._getframe(depth)
+    return _truth_for(str(frame.f_globals.get("__name__", "")), frame.f_code.co_filename)
+
+
+@functools.lru_cache(maxsize=4096)
+def _truth_for(module: str, filename: str) -> bool:
+    top = module.partition(".")[0]
+    if top in _OWN:
+        return True
+    if top in DEVICE_SELECTORS:
+        return False
+    return _is_installed_code(filename)
+
+
+@functools.lru_cache(maxsize=1)
+def _standard_library() -> Tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple(os.path.realpath(paths[key]) + os.sep for key in ("stdlib", "platstdlib") if key in paths)
+
+
+def _is_installed_code(filename: str) -> bool:
+    """Whether ``filename`` belongs to an installed package or the standard library, not to the user's project."""
+    if not filename or filename.startswith("<"):  # python -c, exec'd strings, notebooks' cells
+        return False
+    path = os.path.realpath(filename)
+    parts = path.split(os.sep)
+    return any(part in _INSTALLED for part in parts) or path.startswith(_standard_library())
 
 
 def _forwarded(name: str) -> Callable[..., Any]:
@@ -115,14 +156,16 @@ def _memory_info() -> Tuple[int, int]:
 
 
 def is_available() -> bool:
-    if _from_torch():
+    """True for the user's code (its CUDA branch is the one comm translates), the truth for libraries."""
+    if _sees_the_truth():
         return bool(_REAL.is_available())
     note("torch.cuda.is_available", lambda: f"torch.cuda.is_available() into True (running on {target_type()})")
     return True
 
 
 def device_count() -> int:
-    if _from_torch():
+    """The accelerator's device count for the user's code (see :func:`is_available`), the truth for libraries."""
+    if _sees_the_truth():
         return int(_REAL.device_count())
     module = _accelerator()
     if module is not None:
