@@ -297,7 +297,8 @@ class DeviceProperties:
         self._accelerators = accelerators
         for name, default in self._DEFAULTS.items():
             setattr(self, name, fields.get(name, getattr(accelerators, name, default)))
-        self.major, self.minor = fields.get("capability", (self.major, self.minor))
+        if "capability" in fields:
+            self.__dict__["major"], self.__dict__["minor"] = fields["capability"]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_accelerators"], name)
