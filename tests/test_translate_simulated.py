@@ -116,7 +116,7 @@ def _cuda_classes_and_capabilities_on_the_npu(rank, world_size):
     seen = {
         "stream": (type(stream) is torch.npu.Stream, isinstance(stream, torch.cuda.Stream),
                    isinstance(torch.cuda.current_stream(), torch.cuda.Stream), str(stream.device)),
-        "event": (type(event) is torch.npu.Event, isinstance(event, torch.cuda.Event)),
+        "event": (isinstance(event, torch.npu.Event), isinstance(event, torch.cuda.Event)),
         # torchao's import-time check: torch_npu answers None, which CUDA code cannot index
         "torchao": torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10,
         "capability": torch.cuda.get_device_capability(),

@@ -186,16 +186,26 @@ def stream_class(device_type: str, index_of: Callable[[Any], int]) -> type:
     return Stream
 
 
+class _EventType(type):
+    """The type of ``torch.<name>.Event``: its instances are torch's events on the device."""
+
+    device_type: str
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, torch.Event) and instance.device.type == cls.device_type
+
+
 def event_class(device_type: str, current: Callable[[], int]) -> type:
-    """``torch.<name>.Event``: a class, as torch_npu/npu/streams.py's, over torch's generic event."""
+    """``torch.<name>.Event``: a class, as torch_npu/npu/streams.py's, whose instances are torch's generic events.
 
-    class Event(torch.Event):
-        def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> "Event":
-            return super().__new__(cls, device=torch.device(device_type, current()), enable_timing=enable_timing,
-                                   blocking=blocking, interprocess=interprocess)
+    Not a subclass of ``torch.Event``: its ``elapsed_time`` accepts only torch's exact type.
+    """
 
-    Event.__module__ = f"torch.{device_type}"
-    return Event
+    def make(cls: type, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> Any:
+        return torch.Event(device=torch.device(device_type, current()), enable_timing=enable_timing,
+                           blocking=blocking, interprocess=interprocess)
+
+    return _EventType("Event", (), {"device_type": device_type, "__new__": make, "__module__": f"torch.{device_type}"})
 
 
 def generators(device_type: str, count: int) -> List[Generator]:
