@@ -5,11 +5,16 @@ functions below act on the accelerator's own device module (``torch.npu``,
 ``torch.xpu``, a PrivateUse1 plugin's), looked up per call; where there is no
 accelerator they act on the CPU (documented no-ops where the CPU has nothing to do:
 no cache to release, no separate generator to seed). Everything else (``amp``,
-``FloatTensor``, private helpers) is torch's own, reached through the stand-in.
+``FloatTensor``, private helpers) is torch's own, reached through the stand-in. What
+stands for a class is a class (``Stream``, ``Event``, ``device``): ``isinstance``,
+subclassing and ``torch.cuda.Stream | None`` work. Capability and property queries
+answer as CUDA's do, with values that describe no CUDA architecture where the
+accelerator has none.
 
-``is_available`` and ``device_count`` answer by caller: code outside torch gets the
-accelerator's answer, so a trainer takes its CUDA branch; torch's own modules (DeviceMesh,
-dynamo, inductor, DataLoader) get the truth, so they never take a CUDA-only path.
+``is_available`` and ``device_count`` answer by caller: the user's script and its own
+modules get the accelerator's answer, so a trainer takes its CUDA branch; torch, comm
+and installed libraries get the truth, so they never take a CUDA-only path (except the
+device-selection frameworks that then run on the device through ``torch.cuda``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import functools
 import os
 import platform
 import sys
+import sysconfig
 import time
 import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -56,10 +62,49 @@ def _index(device: Any) -> Optional[int]:
     return int(device)
 
 
-def _from_torch(depth: int = 2) -> bool:
-    """Whether the function ``depth`` frames up was called from torch's (or comm's) own code."""
-    caller = str(sys._getframe(depth).f_globals.get("__name__", ""))
-    return caller.partition(".")[0] in ("torch", "comm")
+# Installed packages that choose the device from is_available() and then run on it through
+# torch.cuda's functions, which the stand-in translates: Lightning's accelerator="cuda".
+DEVICE_SELECTORS = frozenset({"lightning", "lightning_fabric", "pytorch_lightning"})
+_OWN = frozenset({"torch", "comm"})
+_INSTALLED = ("site-packages", "dist-packages")
+
+
+def _sees_the_truth(depth: int = 2) -> bool:
+    """Whether the function ``depth`` frames up was called by code that must see that there is no CUDA.
+
+    That is torch and comm, and installed packages (code in a site-packages or
+    dist-packages folder, or the standard library) other than the device-selection
+    frameworks of :data:`DEVICE_SELECTORS`: a library told ``True`` takes paths that
+    need CUDA itself (capability checks, Triton kernels, fused optimizers). The user's
+    script and its own modules see ``True``.
+    """
+    frame = sys._getframe(depth)
+    return _truth_for(str(frame.f_globals.get("__name__", "")), frame.f_code.co_filename)
+
+
+@functools.lru_cache(maxsize=4096)
+def _truth_for(module: str, filename: str) -> bool:
+    top = module.partition(".")[0]
+    if top in _OWN:
+        return True
+    if top in DEVICE_SELECTORS:
+        return False
+    return _is_installed_code(filename)
+
+
+@functools.lru_cache(maxsize=1)
+def _standard_library() -> Tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple(os.path.realpath(paths[key]) + os.sep for key in ("stdlib", "platstdlib") if key in paths)
+
+
+def _is_installed_code(filename: str) -> bool:
+    """Whether ``filename`` belongs to an installed package or the standard library, not to the user's project."""
+    if not filename or filename.startswith("<"):  # python -c, exec'd strings, notebooks' cells
+        return False
+    path = os.path.realpath(filename)
+    parts = path.split(os.sep)
+    return any(part in _INSTALLED for part in parts) or path.startswith(_standard_library())
 
 
 def _forwarded(name: str) -> Callable[..., Any]:
@@ -94,15 +139,10 @@ def _cpu_answer(name: str, *args: Any) -> Any:
         return [torch.get_rng_state()]
     if name == "get_device_name":
         return platform.processor() or platform.machine() or "cpu"
-    if name == "get_device_properties":
-        return types.SimpleNamespace(name=_cpu_answer("get_device_name"), total_memory=_memory_info()[1],
-                                     multi_processor_count=os.cpu_count() or 1, major=0, minor=0)
     if name == "mem_get_info":
         return _memory_info()
     if name == "is_bf16_supported":
         return True
-    if name == "get_device_capability":
-        return (0, 0)
     return None
 
 
@@ -116,14 +156,16 @@ def _memory_info() -> Tuple[int, int]:
 
 
 def is_available() -> bool:
-    if _from_torch():
+    """True for the user's code (its CUDA branch is the one comm translates), the truth for libraries."""
+    if _sees_the_truth():
         return bool(_REAL.is_available())
     note("torch.cuda.is_available", lambda: f"torch.cuda.is_available() into True (running on {target_type()})")
     return True
 
 
 def device_count() -> int:
-    if _from_torch():
+    """The accelerator's device count for the user's code (see :func:`is_available`), the truth for libraries."""
+    if _sees_the_truth():
         return int(_REAL.device_count())
     module = _accelerator()
     if module is not None:
@@ -176,8 +218,8 @@ class device:  # noqa: N801  (torch.cuda.device's own name)
         self._context.__exit__(*exc)
 
 
-def _nvtx() -> types.SimpleNamespace:
-    """NVTX ranges do nothing off CUDA (a CPU build's raise)."""
+def _nvtx() -> types.ModuleType:
+    """``torch.cuda.nvtx``, whose ranges do nothing off CUDA (a CPU build's raise)."""
 
     @contextlib.contextmanager
     def range(msg: str, *args: Any, **kwargs: Any) -> Iterator[None]:  # noqa: A001  (nvtx.range's own name)
@@ -186,8 +228,11 @@ def _nvtx() -> types.SimpleNamespace:
     def nothing(*args: Any, **kwargs: Any) -> int:
         return 0
 
-    return types.SimpleNamespace(range=range, range_push=nothing, range_pop=nothing, range_start=nothing,
-                                 range_end=nothing, mark=nothing)
+    module = types.ModuleType("torch.cuda.nvtx", "NVTX ranges, which do nothing off CUDA (comm's stand-in).")
+    for name, value in {"range": range, "range_push": nothing, "range_pop": nothing, "range_start": nothing,
+                        "range_end": nothing, "mark": nothing}.items():
+        setattr(module, name, value)
+    return module
 
 
 class CudaStandIn(types.ModuleType):
@@ -202,19 +247,154 @@ class CudaStandIn(types.ModuleType):
 
 # Functions forwarded by name to the accelerator's module (or their CPU answer).
 _FORWARDED = _ZERO_ON_CPU + _NONE_ON_CPU + (
-    "get_rng_state", "get_rng_state_all", "get_device_name", "get_device_properties", "mem_get_info",
-    "is_bf16_supported", "get_device_capability", "Stream", "Event", "current_stream", "default_stream", "stream",
-    "memory_stats")
+    "get_rng_state", "get_rng_state_all", "get_device_name", "mem_get_info", "is_bf16_supported",
+    "current_stream", "default_stream", "stream", "memory_stats")
 
 
-class HostEvent:
-    """``torch.cuda.Event`` on the CPU (torch's CPU backend has no events): it records the host's clock.
+# Capabilities CUDA code compares against (``>= (8, 0)``, ``[0] == 10``): no CUDA architecture.
+NO_CAPABILITY = (0, 0)
 
-    Work on the CPU is done when its call returns, so a recorded event has completed,
+
+def get_device_capability(device: Any = None) -> Tuple[int, int]:
+    """The accelerator's ``(major, minor)`` where it reports one as CUDA does, else ``(0, 0)``.
+
+    CUDA code indexes and compares the answer at import (``get_device_capability()[0] ==
+    10``); an accelerator that has no such notion returns None (torch_npu without
+    ``TORCH_NPU_DEVICE_CAPABILITY``), a dict (XPU) or raises (torch.accelerator's
+    default). ``(0, 0)`` is a capability below every architecture CUDA code checks for,
+    so it takes its generic path.
+    """
+    module = _accelerator()
+    query = getattr(module, "get_device_capability", None) if module is not None else None
+    if query is None:
+        return NO_CAPABILITY
+    try:
+        answer = query(translate.translated_device(device))
+    except (RuntimeError, NotImplementedError, AssertionError):
+        return NO_CAPABILITY
+    if isinstance(answer, (tuple, list)) and len(answer) == 2 and all(isinstance(x, int) for x in answer):
+        return int(answer[0]), int(answer[1])
+    return NO_CAPABILITY
+
+
+class DeviceProperties:
+    """``torch.cuda.get_device_properties(d)``: every field CUDA's answer has, from the accelerator where it has it.
+
+    CUDA code reads ``major``/``minor``, ``multi_processor_count``, ``total_memory``,
+    ``gcnArchName`` (ROCm checks) and the like; an accelerator's properties carry only
+    some (torch_npu's: ``name``, ``total_memory``, core counts). Fields it lacks get
+    values that describe no CUDA architecture; anything else is the accelerator's own.
+    """
+
+    _DEFAULTS: Dict[str, Any] = {
+        "name": "", "major": 0, "minor": 0, "multi_processor_count": 1, "total_memory": 0, "is_integrated": 0,
+        "is_multi_gpu_board": 0, "max_threads_per_multi_processor": 0, "gcnArchName": "", "warp_size": 0,
+        "uuid": "", "L2_cache_size": 0, "clock_rate": 0, "memory_clock_rate": 0, "memory_bus_width": 0,
+        "shared_memory_per_block": 0, "shared_memory_per_multiprocessor": 0,
+    }
+
+    def __init__(self, accelerators: Any, **fields: Any) -> None:
+        self._accelerators = accelerators
+        for name, default in self._DEFAULTS.items():
+            setattr(self, name, fields.get(name, getattr(accelerators, name, default)))
+        if "capability" in fields:
+            self.__dict__["major"], self.__dict__["minor"] = fields["capability"]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_accelerators"], name)
+
+    def __repr__(self) -> str:
+        return (f"DeviceProperties(name={self.name!r}, major={self.major}, minor={self.minor}, "
+                f"total_memory={self.total_memory // (1 << 20)}MB, multi_processor_count={self.multi_processor_count})")
+
+
+def get_device_properties(device: Any = None) -> DeviceProperties:
+    """The accelerator's properties with CUDA's fields filled in; on the CPU, the host's."""
+    module = _accelerator()
+    if module is None:
+        return DeviceProperties(None, name=_cpu_answer("get_device_name"), total_memory=_memory_info()[1],
+                                multi_processor_count=os.cpu_count() or 1)
+    note("torch.cuda.get_device_properties",
+         lambda: f"torch.cuda.get_device_properties into torch.{target_type()}.get_device_properties")
+    accelerators = module.get_device_properties(translate.translated_device(device))
+    return DeviceProperties(accelerators, capability=get_device_capability(device))
+
+
+class _StandsFor(type):
+    """The type of a stand-in class: its instances include the accelerator's own objects of that kind.
+
+    ``torch.cuda.Stream()`` on an accelerator returns the accelerator's stream (what its
+    functions accept), so ``isinstance(x, torch.cuda.Stream)`` must accept that too, and
+    the streams ``current_stream()`` returns. Everything else (``X | None``,
+    annotations, subclassing) is an ordinary class's.
+    """
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        if type.__instancecheck__(cls, instance):
+            return True
+        kind: str = cls.__dict__.get("_KIND", "")
+        if not kind:
+            return False
+        module = _accelerator()
+        own = getattr(module, kind, None) if module is not None else None
+        if isinstance(own, type) and isinstance(instance, own):
+            return True
+        generic = getattr(torch, kind)  # torch.Stream, torch.Event: what torch.accelerator hands out
+        return isinstance(instance, generic) and instance.device.type == target_type()
+
+
+def _device_of(device: Any) -> torch.device:
+    """The device a stream is made on: the given CUDA device translated, else the current device."""
+    kind = target_type()
+    if device is None:
+        return torch.device("cpu") if kind == "cpu" else torch.device(kind, current_device())
+    found = torch.device(translate.translated_device(device))
+    if found.type != "cpu" and found.index is None:
+        return torch.device(found.type, current_device())
+    return found
+
+
+class Stream(torch.Stream, metaclass=_StandsFor):
+    """``torch.cuda.Stream``: the accelerator's own stream class makes it; on the CPU, torch's CPU stream.
+
+    A subclass (``class MyStream(torch.cuda.Stream)``) gets an instance of itself, a
+    ``torch.Stream`` on the same device, since the accelerator's class is not its base.
+    """
+
+    _KIND = "Stream"
+
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> "Stream":
+        target = _device_of(device)
+        module = _accelerator()
+        own = getattr(module, "Stream", None) if module is not None else None
+        if cls is Stream and isinstance(own, type):
+            note("torch.cuda.Stream", lambda: f"torch.cuda.Stream into torch.{target_type()}.Stream")
+            made: Stream = own(target, priority=priority, **kwargs)
+            return made
+        return super().__new__(cls, device=target, priority=priority)
+
+
+class Event(metaclass=_StandsFor):
+    """``torch.cuda.Event``: the accelerator's own event; on the CPU (torch's CPU backend has none) the host's clock.
+
+    On the CPU work is done when its call returns, so a recorded event has completed,
     and ``elapsed_time`` is the host time between two records, in milliseconds.
     """
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+    _KIND = "Event"
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                **kwargs: Any) -> "Event":
+        module = _accelerator()
+        own = getattr(module, "Event", None) if module is not None else None
+        if cls is Event and own is not None:
+            note("torch.cuda.Event", lambda: f"torch.cuda.Event into torch.{target_type()}.Event")
+            made: Event = own(enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+            return made
+        return super().__new__(cls)
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                 **kwargs: Any) -> None:
         self.enable_timing = enable_timing
         self.recorded: Optional[float] = None
 
@@ -230,17 +410,15 @@ class HostEvent:
     def wait(self, stream: Any = None) -> None:
         pass
 
-    def elapsed_time(self, end: "HostEvent") -> float:
+    def elapsed_time(self, end: "Event") -> float:
         if not self.enable_timing or self.recorded is None or end.recorded is None:
             raise RuntimeError("elapsed_time needs two recorded events created with enable_timing=True")
         return (end.recorded - self.recorded) * 1000.0
 
 
 def _stream_on_cpu() -> Dict[str, Any]:
-    """Streams on the CPU: torch's CPU stream, in whose context nothing changes; events of the host's clock."""
+    """Streams on the CPU: torch's CPU stream, in whose context nothing changes."""
     return {
-        "Stream": lambda *args, **kwargs: torch.Stream("cpu"),
-        "Event": HostEvent,
         "current_stream": lambda device=None: torch.Stream("cpu"),
         "default_stream": lambda device=None: torch.Stream("cpu"),
         "stream": lambda stream=None: contextlib.nullcontext(),
@@ -260,7 +438,8 @@ def stand_in() -> CudaStandIn:
         if name in cpu:
             forwarded = _cpu_or(forwarded, cpu[name])
         setattr(module, name, forwarded)
-    for function in (is_available, device_count, set_device, current_device, device):
+    for function in (is_available, device_count, set_device, current_device, device, Stream, Event,
+                     get_device_capability, get_device_properties):
         setattr(module, function.__name__, function)
     module.nvtx = _nvtx()  # type: ignore[attr-defined]
     return module

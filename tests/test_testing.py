@@ -237,3 +237,106 @@ def _conjugate_and_negative_views(rank, world_size):
 def test_conjugate_and_negative_views_and_empty_pinned_memory():
     [seen] = run_ranks(_conjugate_and_negative_views, 1, backend=None, simulate=NPU)
     assert all(seen.values()), seen
+
+
+def _what_frameworks_read(rank, world_size):
+    """torch_npu's and torch.npu's attributes that DeepSpeed, Accelerate, Lightning and transformers read."""
+    import os
+    import warnings
+
+    import torch_npu
+
+    seen = {}
+    made = torch.npu.FloatTensor([1.0, 2.0])
+    seen["tensor types"] = (str(made.device), made.dtype, isinstance(made, torch.npu.FloatTensor),
+                            isinstance(made, torch.npu.HalfTensor), isinstance(torch.ones(1), torch.npu.FloatTensor),
+                            torch.npu.BFloat16Tensor(2, 3).dtype, str(torch.npu.LongTensor(3).device))
+    keep = torch.ones(256, device="npu")
+    stats = torch.npu.memory_stats()
+    seen["memory_stats"] = (stats["allocated_bytes.all.current"] >= keep.numel() * 4, stats["num_ooms"],
+                            stats["reserved_bytes.all.peak"] == torch.npu.memory_reserved())
+    states = torch.npu.get_rng_state_all()
+    seen["rng"] = ([(state.dtype, state.numel()) for state in states], len(torch.npu.default_generators))
+    torch.manual_seed(7)  # seeds every device's generator too, as torch.manual_seed does on CUDA and NPU
+    seen["seeded"] = (torch.npu.initial_seed(), torch.npu.get_rng_state().view(torch.int64).tolist())
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        seen["capability"] = [torch.npu.get_device_capability()]
+        os.environ["TORCH_NPU_DEVICE_CAPABILITY"] = "8.0"
+        seen["capability"].append(torch.npu.get_device_capability(0))
+        del os.environ["TORCH_NPU_DEVICE_CAPABILITY"]
+    seen["capability warned"] = len(warned)
+    scaler = torch.npu.amp.GradScaler()
+    parameter = torch.nn.Parameter(torch.ones(2, device="npu"))
+    scaler.scale(parameter.sum()).backward()
+    seen["GradScaler"] = (scaler.is_enabled(), isinstance(scaler, torch.amp.GradScaler), parameter.grad.cpu().tolist())
+    seen["files"] = (os.path.isfile(torch_npu.__file__), os.path.isdir(os.environ.get("ASCEND_HOME_PATH", "/nowhere")))
+    stream = torch.npu.Stream()
+    keep.record_stream(stream)  # FSDP and DDP do this with their buffers
+    seen["classes"] = (isinstance(stream, torch.npu.Stream), isinstance(torch.npu.Event(), torch.npu.Event),
+                       torch.npu.Stream | None is not None)
+    seen["attention"] = _fusion_attention_against_sdpa(torch_npu.npu_fusion_attention)
+    return seen
+
+
+def _fusion_attention_against_sdpa(fused):
+    """The largest difference from SDPA per (layout, mask) case, as transformers calls it on Ascend."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 3, 4, device="npu") for _ in range(3))  # BSND: batch 2, 5 tokens, 3 heads
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    by_bnsd = [t.transpose(1, 2) for t in (q, k, v)]
+    causal = sdpa(*by_bnsd, is_causal=True).transpose(1, 2)
+    full = sdpa(*by_bnsd).transpose(1, 2)
+    triangle = torch.ones(5, 5, dtype=torch.bool, device="npu").triu(1)  # True: masked out, as torch_npu takes it
+    found = {
+        "BSND causal": fused(q, k, v, 3, "BSND", atten_mask=triangle, scale=0.5, sparse_mode=2)[0] - causal,
+        "BSND mask": fused(q, k, v, 3, "BSND", atten_mask=triangle, scale=0.5)[0] - causal,
+        "BSH": fused(*(t.flatten(2) for t in (q, k, v)), 3, "BSH", scale=0.5)[0] - full.flatten(2),
+        "BNSD": fused(*by_bnsd, 3, "BNSD", scale=0.5)[0] - full.transpose(1, 2),
+    }
+    return {case: float(difference.abs().max().cpu()) for case, difference in found.items()}
+
+
+def test_what_frameworks_read_from_torch_npu_before_any_collective():
+    [seen] = run_ranks(_what_frameworks_read, 1, backend=None, simulate=NPU)
+    assert seen["tensor types"] == ("npu:0", torch.float32, True, False, False, torch.bfloat16, "npu:0")
+    assert seen["memory_stats"] == (True, 0, True)
+    assert seen["rng"] == ([(torch.uint8, 16)] * 8, 8)  # (seed, offset) per device, as CUDA's and NPU's
+    assert seen["seeded"] == (7, [7, 0])
+    assert seen["capability"] == [None, (8, 0)] and seen["capability warned"] == 2  # torch_npu's answers
+    assert seen["GradScaler"] == (True, True, [65536.0, 65536.0])
+    assert seen["files"] == (True, True)
+    assert seen["classes"] == (True, True, True)
+    assert all(difference < 1e-5 for difference in seen["attention"].values()), seen["attention"]
+
+
+def _dtensor_random(rank, world_size):
+    """DTensor's random tracker on the simulated NPU: it reads and advances a (seed, offset) state."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, rand
+
+    from multiproc import file_store
+
+    dist.init_process_group("hccl", store=file_store(world_size), rank=rank, world_size=world_size,
+                            device_id=torch.device("npu", rank))
+    mesh = init_device_mesh("npu", (world_size,))
+    draws = {}
+    for name, seed in (("first", 5), ("again", 5), ("other seed", 6)):
+        torch.manual_seed(seed)
+        sharded = rand((4, 3), device_mesh=mesh, placements=[Shard(0)])
+        replicated = rand((4, 3), device_mesh=mesh, placements=[Replicate()])
+        draws[name] = (sharded.full_tensor().cpu(), replicated.to_local().cpu())
+    offset = torch.npu.get_rng_state().view(torch.int64).tolist()
+    dist.destroy_process_group()
+    return draws, offset
+
+
+def test_dtensor_random_ops_on_the_simulated_npu():
+    results = run_ranks(_dtensor_random, 2, backend=None, simulate=NPU)
+    (draws, offset), (other_draws, other_offset) = results
+    sharded, replicated = draws["first"]
+    assert torch.equal(sharded, other_draws["first"][0])  # every rank sees the same full tensor ...
+    assert not torch.equal(sharded[:2], sharded[2:])  # ... whose shards drew different numbers
+    assert torch.equal(replicated, other_draws["first"][1])  # a replicated draw is the same on every rank
+    assert torch.equal(sharded, draws["again"][0]) and not torch.equal(sharded, draws["other seed"][0])
+    assert offset == other_offset and offset[0] == 6 and offset[1] > 0  # the offset advanced past the draws

@@ -72,16 +72,93 @@ def test_the_seed_fails_without_comm_and_runs_on_the_cpu_under_it(tmp_path):
             dist.destroy_process_group()
 
 
-def test_policy_user_code_takes_its_cuda_branch_torch_does_not(translated, launched):
+def _asked_from(module, filename):
+    """(is_available(), device_count()) as code of ``module``, in ``filename``, is answered."""
+    scope = {"__name__": module, "torch": torch}
+    exec(compile("answer = (torch.cuda.is_available(), torch.cuda.device_count())", filename, "exec"), scope)
+    return scope["answer"]
+
+
+def test_policy_user_code_takes_its_cuda_branch_libraries_do_not(translated, launched, tmp_path):
     assert torch.cuda.is_available() is True
     assert torch.cuda.device_count() == (__import__("os").cpu_count() or 1)  # no launcher: one per core
     launched({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"})
     assert torch.cuda.device_count() == 2  # one "device" per local rank
-    # torch's own modules (DeviceMesh, dynamo, inductor, DataLoader) and comm get the truth.
-    for module in ("torch.distributed.device_mesh", "torch._inductor.fake", "comm.slot"):
-        scope = {"__name__": module, "torch": torch}
-        exec("answer = (torch.cuda.is_available(), torch.cuda.device_count())", scope)
-        assert scope["answer"] == (False, 0), module
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    answers = {
+        # torch's own modules (DeviceMesh, dynamo, inductor, DataLoader) and comm get the truth ...
+        "torch.distributed.device_mesh": _asked_from("torch.distributed.device_mesh", torch.__file__),
+        "comm.slot": _asked_from("comm.slot", comm.__file__),
+        # ... and so do installed libraries (torchao's capability switches, transformers) and the standard library
+        "torchao.utils": _asked_from("torchao.utils", str(site / "torchao" / "utils.py")),
+        "transformers": _asked_from("transformers.utils.import_utils", str(tmp_path / "dist-packages" / "t.py")),
+        "json": _asked_from("json", __import__("json").__file__),
+        # the device-selection frameworks, which then run on the device through torch.cuda, see True
+        "lightning": _asked_from("lightning.fabric.accelerators.cuda", str(site / "lightning" / "cuda.py")),
+        # the user's script and its own modules (wherever they are), and code typed in, see True
+        "__main__": _asked_from("__main__", str(tmp_path / "train.py")),
+        "models": _asked_from("models.llama", str(tmp_path / "models" / "llama.py")),
+        "<stdin>": _asked_from("__main__", "<stdin>"),
+    }
+    truth, told = (False, 0), (True, 2)
+    assert answers == {"torch.distributed.device_mesh": truth, "comm.slot": truth, "torchao.utils": truth,
+                       "transformers": truth, "json": truth, "lightning": told, "__main__": told, "models": told,
+                       "<stdin>": told}
+
+
+def test_stand_ins_for_classes_are_classes(translated):
+    import inspect
+
+    for name, value in vars(translate_cuda.stand_in()).items():
+        if inspect.isclass(getattr(translate_cuda._REAL, name, None)):
+            assert inspect.isclass(value), name
+    # transformers 5.x, at import: a module-level annotation and a default
+    optional = torch.cuda.Stream | None
+    assert optional == (torch.cuda.Stream | None) and torch.cuda.Event | None is not None
+
+    def step(stream: torch.cuda.Stream | None = None) -> None:
+        pass
+
+    assert step.__annotations__["stream"] == optional
+    stream, event = torch.cuda.Stream(), torch.cuda.Event(enable_timing=True)
+    assert isinstance(stream, torch.cuda.Stream) and isinstance(torch.cuda.current_stream(), torch.cuda.Stream)
+    assert isinstance(event, torch.cuda.Event) and not isinstance(stream, torch.cuda.Event)
+    assert not isinstance(torch.ones(1), torch.cuda.Stream)
+
+    class Side(torch.cuda.Stream):
+        pass
+
+    side = Side(priority=-1)
+    assert type(side) is Side and isinstance(side, torch.cuda.Stream) and side.device == torch.device("cpu")
+    assert isinstance(torch.cuda.device(0), torch.cuda.device) and isinstance(torch.cuda.nvtx, type(sys))
+
+
+def test_capability_queries_answer_as_cudas_do(translated):
+    # torchao at import: True and an index into the capability, which must not raise
+    assert (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10) is False
+    assert torch.cuda.get_device_capability(0) == translate_cuda.NO_CAPABILITY == (0, 0)
+    properties = torch.cuda.get_device_properties(0)
+    cuda_fields = {"name", "major", "minor", "multi_processor_count", "total_memory", "is_integrated",
+                   "is_multi_gpu_board", "max_threads_per_multi_processor", "gcnArchName", "warp_size", "uuid",
+                   "L2_cache_size"}
+    assert {name: hasattr(properties, name) for name in cuda_fields} == dict.fromkeys(cuda_fields, True)
+    assert (properties.major, properties.minor, properties.gcnArchName) == (0, 0, "")
+    assert properties.total_memory > 0 and properties.multi_processor_count >= 1
+    assert torch.cuda.get_arch_list() == [] and torch.cuda.is_bf16_supported() is True
+    assert isinstance(torch.cuda.get_device_name(), str) and torch.cuda.memory_stats() == {}
+
+
+def test_a_script_annotating_cuda_streams_runs_under_python_m_comm(tmp_path):
+    """The shape of transformers 5.x's import: an annotation evaluated at module level, then an isinstance check."""
+    run = _under_python_m_comm(
+        tmp_path,
+        "import torch\n"
+        "class Cache:\n"
+        "    stream: torch.cuda.Stream | None = None\n"
+        "print('stream', isinstance(torch.cuda.Stream(), torch.cuda.Stream), torch.cuda.get_device_capability())\n",
+    )
+    assert run.returncode == 0, run.stderr
+    assert "stream True (0, 0)" in run.stdout
 
 
 def test_device_arguments_become_the_cpu(translated):

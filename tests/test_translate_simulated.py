@@ -104,3 +104,37 @@ def test_accelerate_sees_an_npu_job_of_two_processes():
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_WORLD_SIZE": "2"}
     results = run_ranks(_accelerate_job, 2, backend=None, simulate=NPU, env=env)
     assert results == [("DistributedType.MULTI_NPU", 2, f"npu:{rank}", "hccl", f"npu:{rank}") for rank in range(2)]
+
+
+def _cuda_classes_and_capabilities_on_the_npu(rank, world_size):
+    import comm
+
+    comm.patch()
+    stream, event = torch.cuda.Stream(), torch.cuda.Event(enable_timing=True)
+    properties = torch.cuda.get_device_properties(0)
+    seen = {
+        "stream": (type(stream) is torch.npu.Stream, isinstance(stream, torch.cuda.Stream),
+                   isinstance(torch.cuda.current_stream(), torch.cuda.Stream), str(stream.device)),
+        "event": (isinstance(event, torch.npu.Event), isinstance(event, torch.cuda.Event)),
+        # torchao's import-time check: torch_npu answers None, which CUDA code cannot index
+        "torchao": torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10,
+        "capability": torch.cuda.get_device_capability(),
+        "properties": (properties.name, properties.major, properties.total_memory > 0),
+        "rng": [state.numel() for state in torch.cuda.get_rng_state_all()],
+        "memory_stats": "allocated_bytes.all.current" in torch.cuda.memory_stats(),
+    }
+    comm.unpatch()
+    return seen
+
+
+def test_cuda_classes_and_capability_queries_on_the_npu():
+    [seen] = run_ranks(_cuda_classes_and_capabilities_on_the_npu, 1, backend=None, simulate=NPU)
+    assert seen == {
+        "stream": (True, True, True, "npu:0"),
+        "event": (True, True),
+        "torchao": False,
+        "capability": (0, 0),
+        "properties": ("simulated npu (comm.testing)", 0, True),
+        "rng": [16] * 8,
+        "memory_stats": True,
+    }

@@ -9,13 +9,15 @@ installs (``torch.npu`` for Ascend), on which torch's FSDP2 and DeviceMesh call
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch.utils.backend_registration import generate_methods_for_privateuse1_backend, rename_privateuse1_backend
 
 from comm._native import SIMULATED
+from comm.testing import _device_api
 
 _NAME: Optional[str] = None
 # What mem_get_info and get_device_properties report as each simulated device's memory.
@@ -71,8 +73,23 @@ def install_device(name: str, device_count: int) -> None:
     # them all through (the simulation casts nothing; a real plugin registers casts).
     _LIBRARIES.append(torch.library.Library("_", "IMPL"))  # type: ignore[no-untyped-call]
     _LIBRARIES[-1].fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
-    torch._register_device_module(name, _build_device_module(name, core))  # type: ignore[no-untyped-call]
+    _register_record_stream()
+    module = _build_device_module(name, core)
+    torch._register_device_module(name, module)  # type: ignore[no-untyped-call]
+    sys.modules[module.amp.__name__] = module.amp
     _NAME = name
+
+
+def _register_record_stream() -> None:
+    """A kernel for ``Tensor.record_stream`` on the device, which FSDP and DDP call on their buffers.
+
+    torch_npu's (csrc/aten/ops/StreamAndEventKernelNpu.cpp) tells its caching allocator
+    not to reuse the memory before the stream's work is done. The simulated allocator
+    frees at once and every operator completes before it returns: nothing to record.
+    """
+    library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
+    library.impl("record_stream", lambda tensor, stream: None, "PrivateUse1")  # type: ignore[no-untyped-call]
+    _LIBRARIES.append(library)
 
 
 def _structured_operators() -> List[str]:
@@ -149,20 +166,66 @@ def _build_device_module(name: str, core: Any) -> types.ModuleType:
             name=f"simulated {name} (comm.testing)", total_memory=_TOTAL_MEMORY, multi_processor_count=1),
         "is_bf16_supported": lambda including_emulation=True: True,
         "get_amp_supported_dtype": lambda: [torch.float16, torch.bfloat16],
-        "get_rng_state": lambda device=None: torch.get_rng_state(),  # the CPU generator draws for the device
-        "set_rng_state": lambda state, device=None: torch.set_rng_state(state),
-        # Random operators on the device draw from the CPU generator, which torch.manual_seed seeds.
-        "manual_seed": lambda seed: None,
-        "manual_seed_all": lambda seed: None,
-        "Stream": lambda device=None, priority=0: torch.Stream(
-            device=torch.device(name, _index_of(device, core)), priority=priority
-        ),
-        "Event": lambda enable_timing=False, blocking=False, interprocess=False: torch.Event(
-            device=torch.device(name, core.current_device()), enable_timing=enable_timing
-        ),
+        "get_device_capability": _device_api.get_device_capability,
+        "Stream": _device_api.stream_class(name, lambda device: _index_of(device, core)),
+        "Event": _device_api.event_class(name, core.current_device),
+        "memory_stats": lambda device=None: _device_api.memory_stats(core.memory_reserved(_index_of(device, core))),
+        "memory_cached": lambda device=None: core.memory_reserved(_index_of(device, core)),
+        "max_memory_cached": lambda device=None: core.memory_reserved(_index_of(device, core)),
+        "reset_max_memory_allocated": lambda device=None: None,
+        "reset_max_memory_cached": lambda device=None: None,
+        "default_stream": lambda device=None: _default_stream(_index_of(device, core)),
+        "_lazy_call": lambda callback, **kwargs: callback(),  # the simulated device is initialised from the start
+        "amp": _device_api.amp_module(name),
         "current_stream": lambda device=None: torch.accelerator.current_stream(_index_of(device, core)),
         "stream": stream,
     }
+    functions.update(_device_api.tensor_types(name))
+    functions.update(_random_functions(name, core))
     for attr, value in functions.items():
         setattr(module, attr, value)
     return module
+
+
+def _default_stream(index: int) -> torch.Stream:
+    """The device's stream 0, which c10 calls its default stream."""
+    current = torch.accelerator.current_stream(index)
+    return torch.Stream(stream_id=0, device_index=current.device_index, device_type=current.device_type)
+
+
+def _random_functions(name: str, core: Any) -> Dict[str, Any]:
+    """torch_npu/npu/random.py's functions over ``default_generators``, one Philox-shaped generator per device."""
+    generators = _device_api.generators(name, int(core.device_count()))
+
+    def generator(device: Any = None) -> _device_api.Generator:
+        return generators[_index_of(device, core)]
+
+    def manual_seed(seed: int) -> None:
+        generator().manual_seed(seed)
+
+    def manual_seed_all(seed: int) -> None:
+        for each in generators:
+            each.manual_seed(seed)
+
+    def seed() -> None:
+        generator().seed()
+
+    def seed_all() -> None:
+        manual_seed_all(generators[0].seed())
+
+    def set_rng_state_all(states: Iterable[torch.Tensor]) -> None:
+        for each, state in zip(generators, states):
+            each.set_state(state)
+
+    return {
+        "default_generators": tuple(generators),
+        "get_rng_state": lambda device=None: generator(device).get_state(),
+        "set_rng_state": lambda state, device=None: generator(device).set_state(state),
+        "get_rng_state_all": lambda: [each.get_state() for each in generators],
+        "set_rng_state_all": set_rng_state_all,
+        "manual_seed": manual_seed,
+        "manual_seed_all": manual_seed_all,
+        "seed": seed,
+        "seed_all": seed_all,
+        "initial_seed": lambda: generator().initial_seed(),
+    }

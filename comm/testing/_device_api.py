@@ -1,0 +1,213 @@
+"""What the simulated device's ``torch.<name>`` module offers beyond the basics, shaped as torch_npu's ``torch.npu``.
+
+Frameworks read these before any collective runs: DeepSpeed's NPU accelerator (tensor
+types, ``default_generators``, ``memory_stats``), Accelerate (``amp.GradScaler``),
+Lightning (``get_rng_state_all``), DTensor's random tracker (an RNG state of seed and
+offset). Each mirrors the torch_npu source named beside it (Ascend/pytorch, master).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import types
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = ["Generator", "amp_module", "event_class", "generators", "get_device_capability", "memory_stats",
+           "stream_class", "tensor_types"]
+
+# torch's default seed (c10/core/GeneratorImpl.h, default_rng_seed_val), which a fresh
+# CUDA or NPU generator starts from.
+DEFAULT_SEED = 67280421310721
+_U64 = 1 << 64
+
+
+class Generator:
+    """One device's generator in ``torch.<name>.default_generators``: a Philox state of seed and offset.
+
+    torch_npu's (torch_npu/npu/__init__.py ``default_generators``, filled in
+    ``_lazy_init`` from ``_npu_getDefaultGenerator``) and CUDA's are Philox generators
+    whose ``get_state()`` is 16 bytes: the seed (uint64), then the offset (int64), which
+    DTensor's random tracker reads and advances. The simulated device draws its random
+    numbers from the CPU generator, so setting a state reseeds the CPU generator from
+    (seed, offset): the same state gives the same numbers, another offset others. It
+    is not a ``torch.Generator`` (one cannot be made for a Python device), so it cannot
+    be passed as ``generator=`` to a random operator.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._seed = DEFAULT_SEED
+        self._offset = 0
+
+    def manual_seed(self, seed: int) -> "Generator":
+        self._seed, self._offset = int(seed) % _U64, 0
+        return self
+
+    def seed(self) -> int:
+        chosen = random.getrandbits(63)
+        self.manual_seed(chosen)
+        return chosen
+
+    def initial_seed(self) -> int:
+        return self._seed
+
+    def get_offset(self) -> int:
+        return self._offset
+
+    def set_offset(self, offset: int) -> None:
+        self.set_state(_packed(self._seed, int(offset)))
+
+    def get_state(self) -> torch.Tensor:
+        return _packed(self._seed, self._offset)
+
+    def set_state(self, state: torch.Tensor) -> None:
+        if state.dtype != torch.uint8 or state.numel() != 16:
+            raise RuntimeError(f"RNG state must be 16 bytes (seed, offset) of torch.uint8, got {state.numel()} "
+                               f"of {state.dtype}")
+        words = state.detach().to("cpu").contiguous().view(torch.int64).tolist()
+        self._seed, self._offset = words[0] % _U64, words[1]
+        torch.default_generator.manual_seed((self._seed * 0x9E3779B97F4A7C15 + self._offset) % _U64)
+
+
+def _packed(seed: int, offset: int) -> torch.Tensor:
+    signed = seed - _U64 if seed >= 1 << 63 else seed
+    return torch.tensor([signed, offset], dtype=torch.int64).view(torch.uint8)
+
+
+def get_device_capability(device: Any = None) -> Optional[Tuple[int, int]]:
+    """torch_npu's answer (torch_npu/npu/__init__.py ``get_device_capability``): None, with a warning.
+
+    CANN has no capability; torch_npu returns ``(major, minor)`` only from
+    ``TORCH_NPU_DEVICE_CAPABILITY="major.minor"`` and warns that it is for
+    compatibility only.
+    """
+    configured = os.environ.get("TORCH_NPU_DEVICE_CAPABILITY", "")
+    found = re.fullmatch(r"(\d+)\.(\d+)", configured)
+    warnings.warn("The return value of get_device_capability is only for compatibility with PyTorch and does not "
+                  "represent the actual capability of the NPU device.", stacklevel=2)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def memory_stats(used: int) -> Dict[str, int]:
+    """``memory_stats()`` in the flat ``"family.pool.stat"`` form of torch_npu/npu/memory.py (as CUDA's).
+
+    The simulation has no caching allocator: every byte statistic is the bytes allocated
+    since the last ``empty_cache``, all in the large pool, none freed.
+    """
+    stats = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
+             "num_device_free": 0}
+    for family in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
+        for pool, size in (("all", used), ("large_pool", used), ("small_pool", 0)):
+            for stat in ("current", "peak", "allocated"):
+                stats[f"{family}.{pool}.{stat}"] = size
+            stats[f"{family}.{pool}.freed"] = 0
+    return dict(sorted(stats.items()))
+
+
+class _TensorType(type):
+    """The type of ``torch.<name>.FloatTensor`` and the others: a legacy tensor type of the device.
+
+    As torch_npu's (torch_npu/csrc/utils/TensorType.cpp, like torch's CUDA types):
+    ``isinstance`` is true for a tensor of that dtype on the device, and calling the type
+    makes one (from sizes or data, as ``torch.FloatTensor(...)`` does) on the current device.
+    """
+
+    dtype: torch.dtype
+    device_type: str
+    cpu_type: Callable[..., torch.Tensor]
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return (isinstance(instance, torch.Tensor) and instance.device.type == cls.device_type
+                and instance.dtype == cls.dtype)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return cls.cpu_type(*args, **kwargs).to(cls.device_type)
+
+
+# torch_npu/npu/__init__.py's __all__ lists these ten.
+_TENSOR_TYPES = ("Bool", "Byte", "Char", "Double", "Float", "Half", "Int", "Long", "Short", "BFloat16")
+
+
+def tensor_types(device_type: str) -> Dict[str, type]:
+    """``FloatTensor`` and the other legacy tensor types of ``device_type``."""
+    made: Dict[str, type] = {}
+    for kind in _TENSOR_TYPES:
+        cpu_type = getattr(torch, f"{kind}Tensor")
+        made[f"{kind}Tensor"] = _TensorType(f"{kind}Tensor", (), {
+            "dtype": cpu_type.dtype, "device_type": device_type, "cpu_type": cpu_type,
+            "__module__": f"torch.{device_type}"})
+    return made
+
+
+def amp_module(device_type: str) -> types.ModuleType:
+    """``torch.<name>.amp``: ``GradScaler``, ``autocast`` and ``custom_fwd``/``custom_bwd`` of the device.
+
+    torch_npu/npu/amp: a ``GradScaler`` with torch's arguments plus ``dynamic`` (the
+    simulation scales dynamically always), an ``autocast`` of ``device_type="npu"``.
+    """
+    module = types.ModuleType(f"torch.{device_type}.amp", f"Automatic mixed precision on {device_type}.")
+
+    class GradScaler(torch.amp.GradScaler):
+        def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                     growth_interval: int = 2000, dynamic: bool = True, enabled: bool = True) -> None:
+            super().__init__(device_type, init_scale=init_scale, growth_factor=growth_factor,
+                             backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
+
+    class autocast(torch.amp.autocast):  # noqa: N801  (torch's own name)
+        def __init__(self, enabled: bool = True, dtype: torch.dtype = torch.float16,
+                     cache_enabled: bool = True) -> None:
+            super().__init__(device_type, enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
+
+    def custom_fwd(*args: Any, **kwargs: Any) -> Any:
+        return torch.amp.custom_fwd(*args, device_type=device_type, **kwargs)
+
+    def custom_bwd(*args: Any, **kwargs: Any) -> Any:
+        return torch.amp.custom_bwd(*args, device_type=device_type, **kwargs)
+
+    for value in (GradScaler, autocast, custom_fwd, custom_bwd):
+        value.__module__ = module.__name__
+        setattr(module, value.__name__, value)
+    return module
+
+
+def stream_class(device_type: str, index_of: Callable[[Any], int]) -> type:
+    """``torch.<name>.Stream``: a class, as torch_npu/npu/streams.py's, over torch's generic stream."""
+
+    class Stream(torch.Stream):
+        def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> "Stream":
+            return super().__new__(cls, device=torch.device(device_type, index_of(device)), priority=priority)
+
+    Stream.__module__ = f"torch.{device_type}"
+    return Stream
+
+
+class _EventType(type):
+    """The type of ``torch.<name>.Event``: its instances are torch's events on the device."""
+
+    device_type: str
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, torch.Event) and instance.device.type == cls.device_type
+
+
+def event_class(device_type: str, current: Callable[[], int]) -> type:
+    """``torch.<name>.Event``: a class, as torch_npu/npu/streams.py's, whose instances are torch's generic events.
+
+    Not a subclass of ``torch.Event``: its ``elapsed_time`` accepts only torch's exact type.
+    """
+
+    def make(cls: type, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> Any:
+        return torch.Event(device=torch.device(device_type, current()), enable_timing=enable_timing,
+                           blocking=blocking, interprocess=interprocess)
+
+    return _EventType("Event", (), {"device_type": device_type, "__new__": make, "__module__": f"torch.{device_type}"})
+
+
+def generators(device_type: str, count: int) -> List[Generator]:
+    """One generator per device, as ``default_generators`` holds them."""
+    return [Generator(torch.device(device_type, index)) for index in range(count)]
