@@ -138,7 +138,7 @@ def _cache_root() -> Path:
 STAGING = Extension(
     "comm_staging",
     _SHARED,
-    ("staging_backend.cpp", "staged_work.cpp", "module.cpp"),
+    ("staging_backend.cpp", "staged_work.cpp", "mixed_devices.cpp", "module.cpp"),
     (_SHARED / "staging.h", _SHARED / "torch_releases.h"),
     "comm's staging backend",
     switch="COMM_STAGING",

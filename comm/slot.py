@@ -94,6 +94,7 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
         for device_type in missing:
             pg._register_backend(torch.device(device_type), label, backend)
         pg._set_group_name(name)
+        native.route_mixed_devices()
         _LOG.info("comm stages %s on group %r onto %s", ", ".join(missing), name, target)
         return staged_types(pg)
 

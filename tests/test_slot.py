@@ -132,6 +132,38 @@ def test_every_road_into_c10d_stages_on_simulated_hccl():
             assert result["stats"][name]["staged_calls"] > 0, result["stats"]
 
 
+def _mixed(rank, npu, group, into, source):
+    """Calls whose tensors lie on two devices: outputs on ``into``, inputs on ``source``."""
+    gathered = torch.zeros(12, device=into)
+    dist.all_gather_into_tensor(gathered, _values(rank, source), group=group)
+    reduced = torch.zeros(3, device=into)
+    dist.reduce_scatter_tensor(reduced, _values(rank, source), group=group)
+    listed = [torch.zeros(6, device=into) for _ in range(2)] if rank == 0 else None
+    dist.gather(_values(rank, source), listed, dst=0, group=group)
+    return [t.cpu() for t in (gathered, reduced, *(listed or []))]
+
+
+def _mixed_devices(rank, world_size):
+    npu = torch.device("npu", rank)
+    init_group("hccl", rank, world_size, device_id=npu)
+    served = _mixed(rank, npu, None, npu, npu)
+    before = error_of(_mixed, rank, npu, None, npu, "cpu")
+    comm.patch()
+    both = {f"{into} <- {source}": _mixed(rank, npu, None, into, source) for into, source in (
+        (npu, "cpu"), ("cpu", npu))}
+    comm.unpatch()
+    return served, before, both
+
+
+def test_calls_that_mix_devices_stage_once_the_group_is_equipped():
+    """Accelerate's gather (an NPU output, a CPU input) and the reverse: torch's values on NPU tensors."""
+    for served, before, both in run_ranks(_mixed_devices, backend=None, simulate=NPU):
+        assert before is not None and SEED_ERROR in before  # torch alone: the NPU's backend gets the CPU tensor
+        assert len(both) == 2
+        for got in both.values():
+            assert all(torch.equal(a, b) for a, b in zip(got, served, strict=True)), (got, served)
+
+
 def _npu_model_on_gloo(rank, world_size):
     before = error_of(_ddp_gradient, torch.device("npu", rank), rank, None)
     comm.patch()

@@ -19,6 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     if (staging == nullptr) return std::nullopt;
     return staging->target();
   });
+  m.def("route_mixed_devices", &routeMixedDevices,
+        "Collectives whose tensors lie on two device types go to comm's backend where a group has it for one.");
   m.def("tallies", []() {
     std::map<std::string, std::map<std::string, int64_t>> out;
     for (const auto& [name, t] : tallies()) {

@@ -165,4 +165,8 @@ class StagingBackend final : public c10d::Backend {
   std::vector<std::shared_ptr<WriteBack>> coalescedBacks_;
 };
 
+// From the first call on: a collective whose tensors lie on two device types goes to
+// comm's backend where the group has it for one of them (mixed_devices.cpp).
+void routeMixedDevices();
+
 } // namespace comm_native
