@@ -58,7 +58,8 @@ def arguments(output_dir: str) -> TrainingArguments:
     return TrainingArguments(
         output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2, learning_rate=1e-2,
         max_grad_norm=1.0, average_tokens_across_devices=True, logging_steps=1, save_strategy="no",
-        report_to=[], disable_tqdm=True, use_cpu=not torch.accelerator.is_available(), seed=0, data_seed=0, dataloader_num_workers=0,
+        report_to=[], disable_tqdm=True, seed=0, data_seed=0, dataloader_num_workers=0,
+        use_cpu=not torch.accelerator.is_available(),  # a CPU-only machine: Accelerate's gloo
         fsdp="full_shard offload auto_wrap",
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
     )
