@@ -20,7 +20,7 @@ export OMP_NUM_THREADS ?= 1
 export PYTHONDONTWRITEBYTECODE :=
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc-per-node 2
 
-.PHONY: test demo bench lint gpu-check wheel clean
+.PHONY: test test-clients demo bench lint gpu-check wheel clean
 
 # PIP_CONSTRAINT replaces any constraint file pip's own configuration names (a machine may cap
 # torch's release there) with this venv's, which pins its torch.
@@ -39,6 +39,22 @@ $(VENV)/.lint-installed: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m comm.build --simulated
 	$(PY) -m pytest -n auto -q
+
+# The tier of real clients (issue 26): pinned frameworks in a venv of their own, so that make test
+# stays free of them; one pip call, so that the resolver sees torch's pin beside every framework.
+CLIENTS_VENV := .venv-clients
+CLIENTS_PY := $(CLIENTS_VENV)/bin/python
+
+$(CLIENTS_VENV)/.installed: setup.cfg pyproject.toml constraints.txt tests/clients/requirements.txt
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_PY) -m pip install --quiet --no-compile --constraint constraints.txt --editable '.[test]' \
+		--requirement tests/clients/requirements.txt
+	touch $@
+
+# Each framework unchanged on two simulated NPUs: plainly, under -m comm, against a reference (tests/clients).
+test-clients: $(CLIENTS_VENV)/.installed
+	$(CLIENTS_PY) -m comm.build --simulated
+	$(CLIENTS_PY) -m pytest -p no:xdist -q tests/clients
 
 # DEMO_ARGS=--no-simulate runs the FSDP2 example on plain CPU gloo.
 DEMO_ARGS ?=
@@ -79,4 +95,4 @@ wheel: $(VENV)/.installed
 	$(PY) -m pip wheel --no-deps --quiet --wheel-dir dist .
 
 clean:
-	rm -rf .venv .venv-torch* *.egg-info .pytest_cache build dist
+	rm -rf .venv .venv-torch* $(CLIENTS_VENV) *.egg-info .pytest_cache build dist
