@@ -87,6 +87,9 @@ def main() -> None:
             say(f"{'step':>4} {'loss':>10} {'grad norm':>10} {'comm norm':>10}   (torch.nn.utils.clip_grad_norm_)")
         ours = comm.total_norm([p.grad for p in model.parameters()])
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
+        # On DTensor gradients the norm is a DTensor; torch 2.9's .item() reads this rank's
+        # partial norm (pytorch#170862), so read the whole one.
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         optimizer.step()
         optimizer.zero_grad()
         mean_loss = loss.detach().clone()

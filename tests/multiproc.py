@@ -42,6 +42,21 @@ NPU = {"name": "npu", "backend": "hccl"}
 SEED_ERROR = "No backend type associated with device type cpu"
 
 
+def gloo_lacks_all_to_all() -> Optional[str]:
+    """Why this torch's gloo cannot run the list form of all_to_all (torch 2.9's has none), or None."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+    try:
+        group.alltoall([torch.zeros(1)], [torch.zeros(1)]).wait()
+    except RuntimeError as error:
+        return f"torch {torch.__version__}'s gloo has no list all_to_all ({error})"
+    return None
+
+
 def no_cuda_errors() -> Dict[str, str]:
     """torch's errors when code written for CUDA runs where there is no CUDA, by what the code does.
 
@@ -50,12 +65,13 @@ def no_cuda_errors() -> Dict[str, str]:
     """
     import torch
 
+    beside_an_npu = "RuntimeError: Invalid device, must be cuda device"  # PrivateUse1 registered: every wheel
     if torch.version.cuda is None:
         not_compiled = "AssertionError: Torch not compiled with CUDA enabled"
         return {"set_device": "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'",
                 "current_device": not_compiled, "model.cuda": not_compiled,
                 "model.cuda(0)": "RuntimeError: Cannot access accelerator device when none is available.",
-                "model.cuda(rank) beside an npu": "RuntimeError: Invalid device, must be cuda device",
+                "model.cuda(rank) beside an npu": beside_an_npu,
                 "nccl": "RuntimeError: Distributed package doesn't have NCCL built in"}
     from comm._releases import TORCH_VERSION
 
@@ -64,7 +80,7 @@ def no_cuda_errors() -> Dict[str, str]:
     nccl = ("RuntimeError: nccl2 requires at least one CUDA device" if TORCH_VERSION >= (2, 15)
             else "ValueError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!")
     return {"set_device": no_driver, "current_device": no_driver, "model.cuda": no_driver,
-            "model.cuda(0)": no_driver, "model.cuda(rank) beside an npu": no_driver, "nccl": nccl}
+            "model.cuda(0)": no_driver, "model.cuda(rank) beside an npu": beside_an_npu, "nccl": nccl}
 
 
 def run_ranks(

@@ -5,6 +5,9 @@ included), RuntimeError for a state the call cannot work in (README, "Errors").
 """
 
 import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -65,8 +68,30 @@ COLLECTIVE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("call", [case[1] for case in COLLECTIVE_CASES], ids=[case[0] for case in COLLECTIVE_CASES])
-def test_bad_input_to_a_collective_gets_torchs_error(one_rank_group, call):
+# torch 2.9's gloo aborts the process on a reduce_scatter_tensor whose dtypes differ, where later releases raise.
+_ABORTS_ON_2_9 = textwrap.dedent(
+    """
+    import tempfile, torch, torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+    try:
+        dist.reduce_scatter_tensor(torch.zeros(4), torch.arange(4))
+    except RuntimeError:
+        pass
+    """
+)
+
+
+def _skip_where_torch_aborts(case):
+    if case != "reduce_scatter_tensor dtype":
+        return
+    probe = subprocess.run([sys.executable, "-c", _ABORTS_ON_2_9], capture_output=True, text=True, timeout=120)
+    if probe.returncode < 0:
+        pytest.skip(f"torch {torch.__version__}'s gloo aborts the process on reduce_scatter_tensor's dtype mismatch")
+
+
+@pytest.mark.parametrize("case,call", COLLECTIVE_CASES, ids=[case[0] for case in COLLECTIVE_CASES])
+def test_bad_input_to_a_collective_gets_torchs_error(one_rank_group, case, call):
+    _skip_where_torch_aborts(case)
     tensor = torch.arange(4.0)
     errors = [error_of(call, tensor, module, catch=(Exception,), typed=True) for module in (dist, comm)]
     errors = [re.sub(r"\[F\d+ [\d:.]+ ", "[F", error or "") for error in errors]  # the backend's log stamp

@@ -19,7 +19,7 @@ from torch.distributed import ReduceOp
 import comm
 import comm.testing
 
-from multiproc import NPU, SEED_ERROR, error_of, run_ranks
+from multiproc import NPU, SEED_ERROR, error_of, gloo_lacks_all_to_all, run_ranks
 
 # The collectives every supported torch compiles with fullgraph=True, those it compiles
 # so only with P2P compilation on (TORCHDYNAMO_ENABLE_P2P_COMPILATION=1), and those where
@@ -142,11 +142,15 @@ def _gloo_scenario(rank, world_size):
     calls = _calls(rank, world_size)
     for name in TRACED:
         _check_same_graph(*calls[name])
-    with torch._dynamo.config.patch(enable_p2p_compilation=True):
-        for name in P2P:
-            _check_same_graph(*calls[name])
+    if hasattr(torch._dynamo.config, "enable_p2p_compilation"):  # torch 2.9 has no P2P compilation
+        with torch._dynamo.config.patch(enable_p2p_compilation=True):
+            for name in P2P:
+                _check_same_graph(*calls[name])
     breaks = {}
     for name in BREAKING:
+        if name == "all_to_all" and gloo_lacks_all_to_all():
+            breaks[name] = None  # nothing to compile against: torch's own call fails on this gloo
+            continue
         step, make = calls[name]
         torch_says = _fullgraph_fails(_function(dist, step), make)
         if torch_says is None:  # this release traces it
@@ -268,13 +272,36 @@ def _train(backend, rank, world_size, steps=3):
         comm.stats()["all_reduce"]["staged_calls"]
 
 
+def _aot_eager_is_bitwise_without_collectives():
+    """Whether this torch's aot_eager gives eager's values bit for bit on the step's arithmetic alone (torch 2.9's
+    decompositions do not: its compiled SGD step differs from eager in the last bit)."""
+    def step(model, optimizer, inputs):
+        loss = torch.nn.functional.mse_loss(model(inputs), inputs.prod(dim=1, keepdim=True))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    outcomes = []
+    for backend in (None, "aot_eager"):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        run = torch.compile(step, backend=backend) if backend else step
+        outcomes.append([run(model, optimizer, torch.randn(8, 4, generator=torch.Generator().manual_seed(i)))
+                         for i in range(3)][-1])
+    return all(torch.equal(a, b) for a, b in zip(*outcomes))
+
+
 def _check_training_steps(rank, world_size):
     """examples/legacy_trainer.py's steps (torch's all_reduce of CPU gradients, torch's clip) compiled with aot_eager
-    give eager's losses and parameters bit for bit, staging as many calls."""
+    give eager's losses and parameters bit for bit where torch's own compilation does, staging as many calls."""
     eager_losses, eager_parameters, eager_staged = _train(None, rank, world_size)
     compiled_losses, compiled_parameters, compiled_staged = _train("aot_eager", rank, world_size)
-    assert all(torch.equal(a, b) for a, b in zip(eager_losses, compiled_losses)), (eager_losses, compiled_losses)
-    assert all(torch.equal(a, b) for a, b in zip(eager_parameters, compiled_parameters))
+    same = torch.equal if _aot_eager_is_bitwise_without_collectives() else torch.allclose
+    assert all(same(a, b) for a, b in zip(eager_losses, compiled_losses)), (eager_losses, compiled_losses)
+    assert all(same(a, b) for a, b in zip(eager_parameters, compiled_parameters))
     assert compiled_staged == eager_staged == 3 * 5  # per step: 4 gradients and the metric
 
 

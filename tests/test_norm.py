@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import comm
 import comm.testing
+from comm._releases import TORCH_VERSION
 
 from multiproc import NPU, SEED_ERROR, error_of, file_store, run_ranks
 
@@ -25,7 +26,7 @@ TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5}
 # before torch 2.8: they reduce with AVG, which gloo lacks (comm's table), and torch
 # 2.6's FSDP2 on the CPU calls Stream.record_event, which CPU streams lack.
 TORCH_REFERENCE_ON_GLOO = pytest.mark.skipif(
-    comm.backend._TORCH_VERSION < comm.backend._NATIVE_AVG_SINCE["gloo"]["all_reduce"],
+    TORCH_VERSION < comm.backend._NATIVE_AVG_SINCE["gloo"]["all_reduce"],
     reason="torch's FSDP2 and DTensor reduce with AVG, which gloo lacks before torch 2.8",
 )
 

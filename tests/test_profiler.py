@@ -15,7 +15,7 @@ import comm
 from comm import collectives
 from comm._profile_figures import message
 
-from multiproc import NPU, quiet_env, run_ranks
+from multiproc import NPU, gloo_lacks_all_to_all, quiet_env, run_ranks
 
 FLOATS = 1024
 WAIT_LATE = 0.5  # seconds rank 0 waits before calling wait() on an async all_reduce
@@ -63,7 +63,8 @@ def _every_call(rank, world_size):
         comm.reduce_scatter_tensor(torch.zeros(FLOATS // n), one)
         comm.gather(one, [torch.zeros(FLOATS) for _ in range(n)] if rank == 0 else None, dst=0)
         comm.scatter(torch.zeros(FLOATS), [one.clone() for _ in range(n)] if rank == 0 else None, src=0)
-        comm.all_to_all([torch.zeros(FLOATS) for _ in range(n)], [one.clone() for _ in range(n)])
+        if not gloo_lacks_all_to_all():
+            comm.all_to_all([torch.zeros(FLOATS) for _ in range(n)], [one.clone() for _ in range(n)])
         comm.all_to_all_single(torch.zeros(FLOATS), one)
         comm.barrier()
         received = torch.zeros(FLOATS)
@@ -175,12 +176,14 @@ def test_every_call_is_timed_with_its_message_size_and_bus_factor(gloo_ranks):
     for rank, seen in enumerate(gloo_ranks):
         profiled = seen["every"]["dict"]
         p2p_calls = {"send", "isend"} if rank == 0 else {"recv", "irecv"}
-        assert set(profiled) == set(FACTOR) - {"send", "recv", "isend", "irecv"} | p2p_calls | {"barrier"}
+        lacking = {"all_to_all"} if gloo_lacks_all_to_all() else set()  # torch 2.9's gloo
+        assert set(profiled) == set(FACTOR) - {"send", "recv", "isend", "irecv"} - lacking | p2p_calls | {"barrier"}
         message = 4 * FLOATS
         expected_bytes = {"reduce": message, "all_gather_into_tensor": 2 * message, "reduce_scatter": 2 * message,
                           "reduce_scatter_tensor": message, "gather": 2 * message, "scatter": 2 * message,
                           "all_to_all": 2 * message, "all_to_all_single": message, "batch_isend_irecv": 2 * message,
                           "all_reduce": message, "barrier": 0, **{name: message for name in p2p_calls}}
+        expected_bytes = {name: size for name, size in expected_bytes.items() if name not in lacking}
         assert {name: figures["bytes"] for name, figures in profiled.items()} == expected_bytes
         assert all(figures["calls"] == 1 for figures in profiled.values())
         for name, figures in profiled.items():

@@ -24,7 +24,7 @@ run on gloo (what gloo lacks fails with gloo's error; ``unsupported_ops`` adds t
 refusals of a real part, and :func:`fail_next` a broken link's failures);
 ``memory_reserved`` counts bytes allocated on a device since its last
 ``empty_cache``, with no caching and no out-of-memory; pinned memory is ordinary
-host memory that remembers it was pinned. It needs torch >= 2.13 (its
+host memory that remembers it was pinned. It needs torch >= 2.9 (its
 headers are what the C++ is written against), a C++ compiler and ninja.
 """
 
@@ -53,7 +53,7 @@ _ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any]]] = None
 def can_simulate() -> bool:
     """Whether this process can build and host the simulated accelerator.
 
-    Its core is C++, compiled on first use: it needs torch >= 2.13 with its C++
+    Its core is C++, compiled on first use: it needs torch >= 2.9 with its C++
     headers, a C++ compiler and ninja. Where any is missing this is False,
     :func:`simulate_accelerator` raises ``RuntimeError`` saying which, and test
     suites can skip what needs it.
