@@ -70,7 +70,7 @@ demo: $(VENV)/.installed
 	@$(TORCHRUN) examples/full_state_dict.py --simulate npu 2>&1 | grep -m1 -o "RuntimeError: No backend type.*" || true
 	@$(TORCHRUN) -m comm examples/full_state_dict.py --simulate npu
 	@echo "== a DDP trainer written for CUDA, unchanged: torch alone, then under torchrun -m comm on two simulated NPUs =="
-	@$(TORCHRUN) examples/cuda_trainer.py 2>&1 | grep -m1 -o "AttributeError: module 'torch._C'.*" || true
+	@$(TORCHRUN) examples/cuda_trainer.py 2>&1 | grep -m1 -o -E "AttributeError: module 'torch._C'.*|RuntimeError: Found no NVIDIA driver[^.]*" || true
 	@$(TORCHRUN) -m comm --simulate npu examples/cuda_trainer.py
 
 lint: $(VENV)/.lint-installed

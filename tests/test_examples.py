@@ -72,7 +72,10 @@ def test_fsdp2_offload_example_shows_the_failure_then_trains():
     rows = re.findall(r"^\s+(\d)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)$", result.stdout, re.MULTILINE)
     assert [int(step) for step, _, _, _ in rows] == [0, 1, 2, 3, 4]
     assert all(torch_norm == comm_norm for _, _, torch_norm, comm_norm in rows)  # torch's clip, then comm's norm
-    assert re.search(r"comm staged 10 all_reduce \(\d+ bytes moved\)", result.stdout)
+    staged = re.search(r"comm staged (\d+) all_reduce \(\d+ bytes moved\)", result.stdout)
+    # Two per step (comm's norm, torch's clip), and a third where torch's clip returns this rank's
+    # partial norm, which the example reduces (torch 2.9, pytorch#170862).
+    assert staged and int(staged.group(1)) in (10, 15), result.stdout
 
 
 def test_bind_and_reduce_on_cpu_and_simulated_npu():
