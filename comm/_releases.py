@@ -31,4 +31,4 @@ def backend_options(backend: Any) -> Optional[Any]:
 def flat_gather() -> Callable[..., Any]:
     """torch's all-gather into one flat tensor: ``all_gather_single`` from 2.12, which deprecates
     ``all_gather_into_tensor`` in its favour; ``all_gather_into_tensor`` before."""
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # type: ignore[no-any-return]
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)

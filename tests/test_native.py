@@ -5,9 +5,9 @@ import subprocess
 import sys
 import textwrap
 
-from multiproc import skip_unless_simulation
-
 from comm._native import SIMULATED, STAGING
+
+from multiproc import skip_unless_simulation
 
 # A process with the builds but no compiler stages a CPU tensor on a one-rank hccl group
 # and never imports torch's build machinery (which probes for a compiler and, on a CUDA
