@@ -110,6 +110,13 @@ def assert_matches(stdout, reference):
     assert values == pytest.approx(reference[1], **TOLERANCE)
 
 
+def assert_ran_on(stdout, where):
+    """Every step of both ranks reports ``where`` (``{rank}`` filled in): the framework trained there, not elsewhere."""
+    for rank in (0, 1):
+        lines = [line for line in stdout.splitlines() if line.startswith(f"rank {rank}: step")]
+        assert lines and all(line.endswith(where.format(rank=rank)) for line in lines), stdout
+
+
 def assert_fails_with(run, error):
     assert run.returncode != 0 and error in run.stderr, run.stderr[-3000:]
 
@@ -171,6 +178,7 @@ def test_accelerate_fsdp2_offload_clip_fails_plainly_and_matches_one_process_und
     assert_fails_with(torchrun("accelerate_fsdp2_clip.py", mode="plain"), SEED_ERROR)
     run = torchrun("accelerate_fsdp2_clip.py", mode="comm")
     assert run.returncode == 0, run.stderr
+    assert_ran_on(run.stdout, "on npu (hccl)")
     assert_matches(run.stdout, one_process(client("accelerate_fsdp2_clip"), torch.optim.SGD, max_norm=0.5, lr=0.1))
 
 
@@ -186,6 +194,7 @@ def test_deepspeed_zero3_fails_plainly_on_the_simulated_npu():
 def test_deepspeed_zero3_offload_under_comm_matches_one_process():
     run = torchrun("deepspeed_zero3.py", mode="comm")
     assert run.returncode == 0, run.stderr[-3000:]
+    assert_ran_on(run.stdout, "on npu:{rank}")
     assert_matches(run.stdout, one_process(client("deepspeed_zero3"), torch.optim.AdamW, max_norm=0.5, lr=0.01))
 
 
@@ -232,8 +241,7 @@ def test_megatron_ddp_fails_plainly_on_the_simulated_npu():
 def test_megatron_ddp_under_comm_matches_one_process(mode, device):
     run = torchrun("megatron_ddp.py", mode=mode)
     assert run.returncode == 0, run.stderr
-    for rank in (0, 1):
-        assert f"on {device.format(rank=rank)}" in run.stdout
+    assert_ran_on(run.stdout, f"on {device}")
     assert_matches(run.stdout, megatron_reference())
 
 
@@ -246,10 +254,11 @@ def test_transformers_trainer_fails_plainly_on_the_simulated_npu():
     assert "rank 0: step" not in run.stdout, run.stdout
 
 
-@pytest.mark.parametrize("mode", ["comm", "cpu"])
-def test_transformers_trainer_under_comm_matches_its_cpu_run(mode):
+@pytest.mark.parametrize("mode, device", [("comm", "npu"), ("cpu", "cpu")])
+def test_transformers_trainer_under_comm_matches_its_cpu_run(mode, device):
     run = torchrun("transformers_trainer.py", mode=mode)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert_ran_on(run.stdout, f"on {device}")
     reference = steps(reference_run("transformers_trainer.py").stdout)
     losses, norms = steps(run.stdout)
     assert len(losses) == 3
