@@ -159,11 +159,12 @@ def assert_accelerate_values(stdout, on, ops, device):
 
 
 def test_accelerate_collectives_plainly_on_the_simulated_npu():
-    """NPU tensors work on Accelerate's hccl group; CPU tensors fail as on Ascend."""
+    """NPU tensors work on Accelerate's hccl group; each operation on CPU tensors fails as on Ascend."""
     run = torchrun("accelerate_collectives.py", "--on", "accelerator", mode="plain")
     assert run.returncode == 0, run.stderr
     assert_accelerate_values(run.stdout, "accelerator", TORCH_VALUES, "npu")
-    assert_fails_with(torchrun("accelerate_collectives.py", "--on", "cpu", mode="plain"), SEED_ERROR)
+    for op in TORCH_VALUES:
+        assert_fails_with(torchrun("accelerate_collectives.py", "--on", "cpu", "--ops", op, mode="plain"), SEED_ERROR)
 
 
 def test_accelerate_collectives_under_comm():
