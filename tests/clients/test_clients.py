@@ -244,7 +244,7 @@ def test_megatron_ddp_fails_plainly_on_the_simulated_npu():
     assert_fails_with(torchrun("megatron_ddp.py", mode="plain"), NO_CUDA_BINDINGS)
 
 
-@pytest.mark.parametrize("mode, device", [("comm", "npu:{rank} (hccl)"), ("cpu", "cpu (gloo)")])
+@pytest.mark.parametrize("mode, device", [("comm", "npu:{rank} (hccl)"), ("cpu", "cpu (gloo)")], ids=["comm", "cpu"])
 def test_megatron_ddp_under_comm_matches_one_process(mode, device):
     run = torchrun("megatron_ddp.py", mode=mode)
     assert run.returncode == 0, run.stderr
