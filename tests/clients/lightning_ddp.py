@@ -4,7 +4,8 @@
 
 Lightning picks the device and backend from ``--accelerator`` (its default, auto, as
 most scripts leave it). Rank 0 prints each step's loss averaged over ranks by
-``sync_dist`` and, at the end, the metric computed over both ranks' batches.
+``sync_dist``, with the device and backend torch ran it on, and, at the end, the
+metric computed over both ranks' batches.
 """
 
 import argparse
@@ -51,7 +52,15 @@ class Regression(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, index):
         if self.global_rank == 0:
             print(f"rank 0: step {index} loss {float(self.trainer.callback_metrics['loss']):.8f} "
-                  f"on {self.device.type} ({self.trainer.strategy.process_group_backend})", flush=True)
+                  f"on {self.where()}", flush=True)
+
+    def where(self) -> str:
+        """Where the step ran: the parameters' device and the group's backend, as torch has them.
+
+        Not ``self.device`` and the strategy's backend name: those are what Lightning
+        asked for (``cuda``, ``nccl`` on its CUDA path), not what torch gave it.
+        """
+        return f"{self.model[0].weight.device.type} ({torch.distributed.get_backend()})"
 
     def on_train_end(self):
         error = self.error.compute()

@@ -12,8 +12,8 @@ Each client script (this folder) has no comm line. It runs three ways:
   (or parameter checksums) must agree within ``TOLERANCE``.
 
 Megatron-core's DDP also runs on a CPU-only machine under ``-m comm`` (gloo), with no
-simulation. Cases that fail today for a known comm bug are ``xfail(strict=True)``
-naming it, so that the tier stays green and says so when the fix lands.
+simulation. A case that fails for a known comm bug is ``xfail(strict=True)`` naming
+it, so that the tier stays green and says so when the fix lands.
 
 Run by ``make test-clients`` (its own venv, tests/clients/requirements.txt), not by
 ``make test``.
@@ -36,16 +36,8 @@ CLIENTS = Path(__file__).resolve().parent
 # float32 sums of the same values in another order (sharded, then reduced) differ in the last bits.
 TOLERANCE = {"rel": 1e-5, "abs": 1e-6}
 STEP = re.compile(r"rank (\d): step (\d+) loss (\S+) (?:grad_norm|checksum) (\S+)")
-
-# Known comm bugs, fixed on another branch (issue 26, items 2 to 4).
-STREAM_IS_A_FUNCTION = ("comm's torch.cuda.Stream stand-in is a function: transformers' module-level "
-                        "`torch.cuda.Stream | None` raises TypeError at import")
-CAPABILITY_RAISES = ("under -m comm torch.cuda.is_available() is True and torch.cuda.get_device_capability() raises "
-                     "RuntimeError: Backend doesn't support getting device capabilities.")
-MIXED_DEVICES = ("a collective with its input on the CPU and its output on the NPU goes whole to hccl, "
-                 "which comm does not see: No backend type associated with device type cpu")
-TORCH_NPU_GAPS = ("the simulated torch_npu lacks what the framework reads: npu_fusion_attention (transformers), "
-                  "ASCEND_HOME_PATH and torch_npu.__file__ (DeepSpeed)")
+# What a script written for CUDA meets first on Ascend without comm: torch's CPU build has no CUDA bindings.
+NO_CUDA_BINDINGS = "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'"
 
 
 def torchrun(script, *args, mode):
@@ -118,6 +110,19 @@ def assert_matches(stdout, reference):
     assert values == pytest.approx(reference[1], **TOLERANCE)
 
 
+def assert_ran_on(stdout, where):
+    """Every step of both ranks reports ``where`` (``{rank}`` filled in): the framework trained there, not elsewhere.
+
+    Searched in the whole output, as :data:`STEP` is: the ranks' lines share one pipe and
+    may run together where a ``print`` writes its text and its newline apart.
+    """
+    for rank in (0, 1):
+        step = rf"rank {rank}: step \d+ loss \S+ \w+ \S+ on "
+        reported = re.findall(step, stdout)
+        there = re.findall(step + re.escape(where.format(rank=rank)), stdout)
+        assert reported and len(there) == len(reported), stdout
+
+
 def assert_fails_with(run, error):
     assert run.returncode != 0 and error in run.stderr, run.stderr[-3000:]
 
@@ -130,7 +135,6 @@ def test_torchao_imports_plainly_on_the_simulated_npu():
     assert run.stdout.count("torchao 0.18.0 imported 3 modules; cuda available False") == 2
 
 
-@pytest.mark.xfail(strict=True, reason=CAPABILITY_RAISES)
 def test_torchao_imports_under_comm_on_the_simulated_npu():
     run = torchrun("torchao_import.py", mode="comm")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -155,11 +159,12 @@ def assert_accelerate_values(stdout, on, ops, device):
 
 
 def test_accelerate_collectives_plainly_on_the_simulated_npu():
-    """NPU tensors work on Accelerate's hccl group; CPU tensors fail as on Ascend."""
+    """NPU tensors work on Accelerate's hccl group; each operation on CPU tensors fails as on Ascend."""
     run = torchrun("accelerate_collectives.py", "--on", "accelerator", mode="plain")
     assert run.returncode == 0, run.stderr
     assert_accelerate_values(run.stdout, "accelerator", TORCH_VALUES, "npu")
-    assert_fails_with(torchrun("accelerate_collectives.py", "--on", "cpu", mode="plain"), SEED_ERROR)
+    for op in TORCH_VALUES:
+        assert_fails_with(torchrun("accelerate_collectives.py", "--on", "cpu", "--ops", op, mode="plain"), SEED_ERROR)
 
 
 def test_accelerate_collectives_under_comm():
@@ -169,7 +174,6 @@ def test_accelerate_collectives_under_comm():
         assert_accelerate_values(run.stdout, on, ("reduce", "broadcast"), device)
 
 
-@pytest.mark.xfail(strict=True, reason=MIXED_DEVICES)
 def test_accelerate_gather_of_cpu_tensors_under_comm():
     """Accelerate gathers a CPU tensor into an output on the accelerator."""
     run = torchrun("accelerate_collectives.py", "--on", "cpu", "--ops", "gather", mode="comm")
@@ -181,21 +185,23 @@ def test_accelerate_fsdp2_offload_clip_fails_plainly_and_matches_one_process_und
     assert_fails_with(torchrun("accelerate_fsdp2_clip.py", mode="plain"), SEED_ERROR)
     run = torchrun("accelerate_fsdp2_clip.py", mode="comm")
     assert run.returncode == 0, run.stderr
+    assert_ran_on(run.stdout, "npu (hccl)")
     assert_matches(run.stdout, one_process(client("accelerate_fsdp2_clip"), torch.optim.SGD, max_norm=0.5, lr=0.1))
 
 
 # DeepSpeed ZeRO-3 with CPU offload.
 
 def test_deepspeed_zero3_fails_plainly_on_the_simulated_npu():
-    """Today before any collective: DeepSpeed's NPU op builder reads ``os.environ["ASCEND_HOME_PATH"]``."""
+    """DeepSpeed initialises on the NPU (its accelerator, hccl); the script's ``torch.cuda.set_device`` then fails."""
     run = torchrun("deepspeed_zero3.py", mode="plain")
-    assert run.returncode != 0 and "rank 0: step" not in run.stdout, run.stdout
+    assert_fails_with(run, NO_CUDA_BINDINGS)
+    assert "rank 0: step" not in run.stdout, run.stdout
 
 
-@pytest.mark.xfail(strict=True, reason=TORCH_NPU_GAPS)
 def test_deepspeed_zero3_offload_under_comm_matches_one_process():
     run = torchrun("deepspeed_zero3.py", mode="comm")
     assert run.returncode == 0, run.stderr[-3000:]
+    assert_ran_on(run.stdout, "npu:{rank}")
     assert_matches(run.stdout, one_process(client("deepspeed_zero3"), torch.optim.AdamW, max_norm=0.5, lr=0.01))
 
 
@@ -219,7 +225,6 @@ def test_lightning_cuda_path_fails_plainly_on_the_simulated_npu():
     assert_fails_with(run, "`CUDAAccelerator` can not run on your system since the accelerator is not available")
 
 
-@pytest.mark.xfail(strict=True, reason=CAPABILITY_RAISES)
 @pytest.mark.parametrize("accelerator", ["auto", pytest.param("cuda", id="accelerator-cuda")])  # not the cuda mark
 def test_lightning_ddp_under_comm_matches_its_cpu_run(accelerator):
     run = torchrun("lightning_ddp.py", "--accelerator", accelerator, mode="comm")
@@ -236,32 +241,31 @@ def megatron_reference():
 
 
 def test_megatron_ddp_fails_plainly_on_the_simulated_npu():
-    assert_fails_with(torchrun("megatron_ddp.py", mode="plain"),
-                      "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'")
+    assert_fails_with(torchrun("megatron_ddp.py", mode="plain"), NO_CUDA_BINDINGS)
 
 
-@pytest.mark.parametrize("mode, device", [("comm", "npu:{rank} (hccl)"), ("cpu", "cpu (gloo)")])
+@pytest.mark.parametrize("mode, device", [("comm", "npu:{rank} (hccl)"), ("cpu", "cpu (gloo)")], ids=["comm", "cpu"])
 def test_megatron_ddp_under_comm_matches_one_process(mode, device):
     run = torchrun("megatron_ddp.py", mode=mode)
     assert run.returncode == 0, run.stderr
-    for rank in (0, 1):
-        assert f"on {device.format(rank=rank)}" in run.stdout
+    assert_ran_on(run.stdout, device)
     assert_matches(run.stdout, megatron_reference())
 
 
 # transformers' Trainer; the reference is its own run on a CPU-only machine (Accelerate's DDP over gloo).
 
 def test_transformers_trainer_fails_plainly_on_the_simulated_npu():
-    """Today at import: transformers imports ``npu_fusion_attention`` from torch_npu, which the simulation lacks."""
+    """Trainer runs on Ascend's hccl group; its clip of the CPU-offloaded FSDP2 gradients fails as users report."""
     run = torchrun("transformers_trainer.py", mode="plain")
-    assert run.returncode != 0 and "rank 0: step" not in run.stdout, run.stdout
+    assert_fails_with(run, SEED_ERROR)
+    assert "rank 0: step" not in run.stdout, run.stdout
 
 
-@pytest.mark.xfail(strict=True, reason=f"{TORCH_NPU_GAPS}; {STREAM_IS_A_FUNCTION}")
-@pytest.mark.parametrize("mode", ["comm", "cpu"])
-def test_transformers_trainer_under_comm_matches_its_cpu_run(mode):
+@pytest.mark.parametrize("mode, device", [("comm", "npu"), ("cpu", "cpu")])
+def test_transformers_trainer_under_comm_matches_its_cpu_run(mode, device):
     run = torchrun("transformers_trainer.py", mode=mode)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert_ran_on(run.stdout, device)
     reference = steps(reference_run("transformers_trainer.py").stdout)
     losses, norms = steps(run.stdout)
     assert len(losses) == 3

@@ -4,7 +4,7 @@
 
 Nothing is downloaded: the model comes from a ``LlamaConfig``, the data from a seeded
 generator. Every rank prints each logged step's loss and gradient norm (Trainer
-averages the loss over ranks; the norm is the global one).
+averages the loss over ranks; the norm is the global one) and the device Trainer chose.
 """
 
 import os
@@ -40,8 +40,8 @@ class Report(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             rank = int(os.environ.get("RANK", "0"))
-            sys.stdout.write(f"rank {rank}: step {state.global_step} loss {logs['loss']:.6f} "
-                             f"grad_norm {float(logs['grad_norm']):.6f}\n")
+            sys.stdout.write(f"rank {rank}: step {state.global_step} loss {logs['loss']:.8f} "
+                             f"grad_norm {float(logs['grad_norm']):.8f} on {args.device.type}\n")
             sys.stdout.flush()
 
 
