@@ -1,7 +1,7 @@
 """Bad input across the public API: a documented exception naming the argument, nothing touched.
 
 TypeError for a wrong type, ValueError for a wrong value (environment variables
-included), RuntimeError for a state the call cannot work in (README, "Errors").
+included), RuntimeError for a state the call cannot work in (docs/api.md, "Errors").
 """
 
 import re
