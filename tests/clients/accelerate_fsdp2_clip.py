@@ -12,21 +12,7 @@ import torch.nn as nn
 from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin
 
-STEPS = 3
-BATCH = 8  # over all ranks
-
-
-def make_model() -> nn.Module:
-    """A seeded two-layer MLP."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-
-
-def batch(step: int) -> tuple:
-    """The whole step's batch (every rank's), seeded by the step."""
-    generator = torch.Generator().manual_seed(step)
-    inputs = torch.randn(BATCH, 16, generator=generator)
-    return inputs, inputs[:, :4].sum(dim=1, keepdim=True).tanh()
+from workload import BATCH, STEPS, batch, make_model
 
 
 def main() -> None:

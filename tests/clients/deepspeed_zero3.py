@@ -12,8 +12,8 @@ import deepspeed
 import torch
 import torch.nn as nn
 
-STEPS = 3
-BATCH = 8  # over all ranks
+from workload import BATCH, STEPS, batch, make_model
+
 CONFIG = {
     "train_micro_batch_size_per_gpu": BATCH // 2,
     "gradient_accumulation_steps": 1,
@@ -23,18 +23,6 @@ CONFIG = {
     "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
 }
 
-
-def make_model() -> nn.Module:
-    """A seeded two-layer MLP."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-
-
-def batch(step: int) -> tuple:
-    """The whole step's batch (every rank's), seeded by the step."""
-    generator = torch.Generator().manual_seed(step)
-    inputs = torch.randn(BATCH, 16, generator=generator)
-    return inputs, inputs[:, :4].sum(dim=1, keepdim=True).tanh()
 
 
 def main() -> None:
