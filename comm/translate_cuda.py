@@ -277,6 +277,16 @@ def get_device_capability(device: Any = None) -> Tuple[int, int]:
     return NO_CAPABILITY
 
 
+def get_arch_list() -> List[str]:
+    """No CUDA architecture: the process translates CUDA calls because it has no CUDA.
+
+    torch's own answer is the architectures the wheel was built for, also where no
+    GPU exists (a CUDA wheel from the package index); code that picks kernels by it
+    must not pick CUDA ones here.
+    """
+    return []
+
+
 class DeviceProperties:
     """``torch.cuda.get_device_properties(d)``: every field CUDA's answer has, from the accelerator where it has it.
 
@@ -439,7 +449,7 @@ def stand_in() -> CudaStandIn:
             forwarded = _cpu_or(forwarded, cpu[name])
         setattr(module, name, forwarded)
     for function in (is_available, device_count, set_device, current_device, device, Stream, Event,
-                     get_device_capability, get_device_properties):
+                     get_device_capability, get_device_properties, get_arch_list):
         setattr(module, function.__name__, function)
     module.nvtx = _nvtx()  # type: ignore[attr-defined]
     return module
