@@ -100,7 +100,7 @@ class _Copies:
             return result
         outputs = [caller for caller, _ in self.back]
         works = result if isinstance(result, list) else [result]
-        handles = [DeferredWork(works, lambda: self.write_back(name), outputs, lambda: "") for _ in works]
+        handles = [DeferredWork(works, lambda: self.write_back(name), outputs) for _ in works]
         return handles if isinstance(result, list) else handles[0]
 
 

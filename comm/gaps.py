@@ -42,7 +42,7 @@ def _finished(work: Any, async_op: bool, finish: Callable[[], None], outputs: Li
             work.wait()
         finish()
         return None
-    return DeferredWork([work], finish, outputs, lambda: "")
+    return DeferredWork([work], finish, outputs)
 
 
 def _tensors(value: Any) -> List[torch.Tensor]:

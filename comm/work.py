@@ -11,14 +11,6 @@ import torch
 import torch.distributed as dist
 
 
-def add_note(error: BaseException, note: str) -> None:
-    """Attach ``note`` to ``error`` (shown in the traceback from Python 3.11)."""
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:
-        error.__notes__ = [*getattr(error, "__notes__", []), note]
-
-
 class DeferredWork(dist.Work):
     """The work handle of a collective ``comm`` must finish: copy back, divide for AVG.
 
@@ -34,25 +26,17 @@ class DeferredWork(dist.Work):
     aborts with "Resource deadlock avoided").
     """
 
-    def __init__(self, works: Sequence[Any], finish: Callable[[], None], outputs: List[torch.Tensor],
-                 note: Callable[[], str]) -> None:
+    def __init__(self, works: Sequence[Any], finish: Callable[[], None], outputs: List[torch.Tensor]) -> None:
         super().__init__()
         self._works = list(works)
         self._finish = finish
         self._outputs = outputs
-        self._note = note
         self._lock = threading.Lock()
         self._finished = False
 
     def wait(self, timeout: Optional[Any] = None) -> bool:
-        try:
-            for work in self._works:
-                work.wait() if timeout is None else work.wait(timeout)
-        except BaseException as error:
-            note = self._note()
-            if note and note not in getattr(error, "__notes__", ()):  # once, however often it is waited on
-                add_note(error, note)
-            raise
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
         self._finish_once()
         return True
 
