@@ -8,18 +8,16 @@ offload report (second seed) found nobody owned.
 
 from __future__ import annotations
 
-import functools
 import inspect
-import threading
-import weakref
-from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import HashStore  # type: ignore[attr-defined]  # not in torch.distributed.__all__
 
-from comm._releases import TORCH_VERSION
+from comm import slot
 from comm.device import accelerator_type, bind
+from comm.groups import backend_capability, backend_string_device_types, resolve_group, served_types
 from comm.launch import LaunchInfo, launch_info
 
 __all__ = ["default_backend", "device_types", "init_process_group"]
@@ -39,17 +37,6 @@ _FALLBACK_BACKENDS = {
     "mps": ("gloo",),
 }
 
-# Device types per backend for torch releases whose Backend.backend_capability lacks
-# an entry (it appeared in torch 2.2; plugins fill it only when they pass `devices`).
-_FALLBACK_CAPABILITY = {
-    "gloo": frozenset({"cpu", "cuda"}),
-    "nccl": frozenset({"cuda"}),
-    "mpi": frozenset({"cpu", "cuda"}),
-    "ucc": frozenset({"cpu", "cuda"}),
-    "hccl": frozenset({"npu"}),  # torch_npu registers hccl for npu only
-    "xccl": frozenset({"xpu"}),
-    "ccl": frozenset({"cpu", "xpu"}),  # oneCCL bindings serve both
-}
 
 
 def default_backend(device_type: Optional[str] = None) -> str:
@@ -127,17 +114,15 @@ def init_process_group(backend: Optional[str] = None, **kwargs: Any) -> torch.de
         device.type != "cpu"
         and "device_id" not in kwargs
         and _accepts_device_id()
-        and device.type in _backend_string_device_types(backend)
+        and device.type in backend_string_device_types(backend)
         # torch binds every later group to the default group's device_id and asks that
         # group's backend for it: bound to an npu or xpu, dist.new_group(backend="gloo")
         # (the CPU group of CPU offload) fails with "No backend type associated with
         # device type npu". Bind only to devices gloo serves too.
-        and device.type in _backend_capability("gloo")
+        and device.type in backend_capability("gloo")
     ):
         kwargs["device_id"] = device
     dist.init_process_group(backend=backend, **rendezvous, **kwargs)
-    from comm import slot
-
     if slot.unavailable_reason() is None:
         slot.equip()
     return device
@@ -182,124 +167,6 @@ def device_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     once equipped), else of its backend config (``"cpu:gloo,cuda:nccl"``), else of
     ``Backend.backend_capability``.
     """
-    return _served_types(_resolve_group(group))
+    return served_types(resolve_group(group))
 
 
-def _served_types(group: dist.ProcessGroup) -> FrozenSet[str]:
-    """The device types ``group`` serves: its registered backends', else its backend config's."""
-    types = frozenset(d.type for d in getattr(group, "_device_types", ()))
-    if not types:
-        types = frozenset(_backends_by_device(_backend_config(group)))
-    if not types:
-        raise RuntimeError(f"cannot tell which device types process group {group!r} serves")
-    return types
-
-
-def _resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    if group is None:
-        default = dist.GroupMember.WORLD
-        if default is None:
-            raise RuntimeError(
-                "the default process group is not initialized; call "
-                "comm.init_process_group() (or torch.distributed.init_process_group) first"
-            )
-        return default
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
-    return group
-
-
-def _backend_config(group: dist.ProcessGroup) -> str:
-    if hasattr(dist, "get_backend_config"):
-        try:
-            return str(dist.get_backend_config(group))
-        except (ValueError, RuntimeError):
-            pass
-    try:
-        return str(dist.get_backend(group))
-    except (ValueError, RuntimeError):
-        return ""
-
-
-def _backend_string_device_types(backend: str) -> FrozenSet[str]:
-    """Device types of ``"gloo"`` or of a composite ``"cpu:gloo,cuda:nccl"``."""
-    return frozenset(_backends_by_device(backend))
-
-
-def _backends_by_device(backend: str) -> Dict[str, str]:
-    """``{"cpu": "gloo", "cuda": "nccl"}`` from a backend or composite backend string."""
-    backends: Dict[str, str] = {}
-    for part in str(backend).lower().split(","):
-        head, sep, tail = part.strip().partition(":")
-        if sep:
-            backends[head] = tail  # "cuda:nccl"
-        else:
-            backends.update(dict.fromkeys(_backend_capability(head), head))  # "gloo"
-    return backends
-
-
-# Where native ReduceOp.AVG is missing or wrong, comm runs SUM and divides. Per
-# backend: the first torch release whose AVG is right, per kind of collective, or
-# None where comm always emulates.
-_NATIVE_AVG_SINCE: Dict[str, Optional[Dict[str, Tuple[int, int]]]] = {
-    # pytorch#149781 added AVG to gloo's allreduce and reduce in 2.8; its
-    # reduce_scatter summed silently instead (pytorch#162338); right on 2.13 (tested).
-    "gloo": {"all_reduce": (2, 8), "reduce": (2, 8), "reduce_scatter": (2, 13)},
-    "hccl": None,  # rejected on some Ascend parts (reported in ditorch)
-    "xccl": None,  # rejected or wrong on some Intel GPUs (torch-xpu-ops#3020)
-    "ccl": None,  # oneCCL rejects AVG (torch-xpu-ops#2691)
-    "mpi": None,  # ProcessGroupMPI maps no AVG op
-    "ucc": None,  # not every UCC transport implements AVG
-}
-
-
-def _native_avg(group: dist.ProcessGroup, device_type: str, kind: str) -> bool:
-    """Whether ``group``'s backend for ``device_type`` does ReduceOp.AVG right for ``kind``."""
-    backend = _backends_by_device(_backend_config(group)).get(device_type, "")
-    if backend == "nccl":
-        return group.size() > 1  # NCCL's AVG is wrong at world size 1 (pytorch#144045)
-    if backend not in _NATIVE_AVG_SINCE:
-        return True
-    since = _NATIVE_AVG_SINCE[backend]
-    return since is not None and kind in since and TORCH_VERSION >= since[kind]
-
-
-def _backend_capability(backend: str) -> FrozenSet[str]:
-    capability = getattr(dist.Backend, "backend_capability", {}).get(backend)
-    if capability:
-        return frozenset(capability)
-    return _FALLBACK_CAPABILITY.get(backend, frozenset())
-
-
-class _GroupCache:
-    """A per-group cache that forgets a group once it is garbage collected.
-
-    Keyed by ``id(group)`` with a weak reference beside the value: a lookup is one
-    dict read and one dereference, cheaper than a WeakKeyDictionary, which builds
-    a weak reference on every read. Reads take no lock (a dict read is atomic).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: Dict[int, Tuple["weakref.ref[dist.ProcessGroup]", Any]] = {}
-
-    def get(self, group: dist.ProcessGroup) -> Any:
-        entry = self._entries.get(id(group))
-        if entry is not None and entry[0]() is group:
-            return entry[1]
-        return None
-
-    def set(self, group: dist.ProcessGroup, value: Any) -> None:
-        key = id(group)
-        ref = weakref.ref(group, functools.partial(self._forget, key))
-        with self._lock:
-            self._entries[key] = (ref, value)
-
-    def _forget(self, key: int, _collected: Any = None) -> None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry[0]() is None:
-                del self._entries[key]
-
-    def __len__(self) -> int:
-        return len(self._entries)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from comm.backend import _resolve_group, _served_types
+from comm.groups import resolve_group, served_types
 from comm.observability import count_staged
 from comm.slot import own_types, target_device
 from comm.work import DeferredWork
@@ -63,8 +63,8 @@ class _Copies:
     """The copies one call made: onto the group's device, and back into the caller's tensors."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
-        pg = _resolve_group(group)
-        self.served: FrozenSet[str] = own_types(pg) or _served_types(pg)
+        pg = resolve_group(group)
+        self.served: FrozenSet[str] = own_types(pg) or served_types(pg)
         self.target = target_device(pg, self.served)
         self.moved = 0
         self.bytes = 0

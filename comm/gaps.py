@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from comm._releases import flat_gather
-from comm.backend import _native_avg, _resolve_group
+from comm.groups import native_avg, resolve_group
 from comm.work import DeferredWork
 
 __all__ = ["GAPS"]
@@ -68,8 +68,8 @@ def _average(kind: str, output: str) -> Gap:
             return torch_call(*args, **kwargs)
         bound = _bound(torch_call, args, kwargs)
         outputs = _tensors(bound.arguments[output])
-        group = _resolve_group(bound.arguments.get("group"))
-        if bound.arguments["op"] != ReduceOp.AVG or not outputs or _native_avg(group, outputs[0].device.type, kind):
+        group = resolve_group(bound.arguments.get("group"))
+        if bound.arguments["op"] != ReduceOp.AVG or not outputs or native_avg(group, outputs[0].device.type, kind):
             return torch_call(*args, **kwargs)
         for tensor in outputs:
             torch.empty(0, dtype=tensor.dtype).div_(2)  # torch's own error for integer and bool tensors
@@ -100,7 +100,7 @@ def _all_gather(torch_call: Callable[..., Any], tensor_list: List[torch.Tensor],
         piece.numel() != tensor.numel() for piece in tensor_list)
     if not uneven:
         return torch_call(tensor_list, tensor, group, async_op)  # torch's call, and torch's errors
-    pg = _resolve_group(group)
+    pg = resolve_group(group)
     if len(tensor_list) != pg.size():
         raise ValueError(f"tensor_list must have one tensor per rank ({pg.size()}), got {len(tensor_list)}")
     if any(piece.dtype != tensor.dtype for piece in tensor_list):

@@ -37,8 +37,8 @@ import torch.distributed.distributed_c10d as c10d
 
 from comm._native import STAGING
 from comm._releases import backend_options
-from comm.backend import _backend_config, _backends_by_device, _GroupCache, _resolve_group
 from comm.device import accelerator_type, bound_device, current_device
+from comm.groups import GroupCache, backend_config, backends_by_device, resolve_group
 
 __all__ = ["equip", "existing_groups", "own_types", "ready", "staged_types", "staging_device", "target_device",
            "unavailable_reason"]
@@ -63,7 +63,7 @@ _LABELS = (_TYPE.CUSTOM, _TYPE.MPI, _TYPE.UCC)
 _BUILTIN_TYPES = {"gloo": _TYPE.GLOO, "nccl": _TYPE.NCCL, "xccl": _TYPE.XCCL, "ucc": _TYPE.UCC, "mpi": _TYPE.MPI}
 _STORE_PREFIX = "comm-staging"
 # Per group: whether ready() has equipped it (False: comm's backend cannot be built here).
-_READY = _GroupCache()
+_READY = GroupCache()
 
 
 def unavailable_reason() -> Optional[str]:
@@ -80,7 +80,7 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     CPU nor any device of this process. Idempotent; call it on every rank of the
     group (the communicator comm makes later is a collective of the group's ranks).
     """
-    pg = _resolve_group(group)
+    pg = resolve_group(group)
     with _LOCK:
         served = _registered_types(pg)
         missing = _missing_types(served)
@@ -128,7 +128,7 @@ def ready(group: Optional[dist.ProcessGroup]) -> bool:
 
 def staged_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     """The device types comm's backend serves on ``group``."""
-    pg = _resolve_group(group)
+    pg = resolve_group(group)
     if not STAGING.is_loaded():
         return frozenset()  # nothing can have equipped a group yet
     native = STAGING.load()
@@ -143,7 +143,7 @@ def staging_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = No
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    pg = _resolve_group(group)
+    pg = resolve_group(group)
     served = own_types(pg)
     if tensor.device.type in served:
         return None
@@ -198,7 +198,7 @@ def _free_label(pg: dist.ProcessGroup) -> Any:
 
 def _backend_names(pg: dist.ProcessGroup) -> Dict[str, str]:
     """Device type -> the name of the backend the group was created with for it."""
-    return _backends_by_device(_backend_config(pg))
+    return backends_by_device(backend_config(pg))
 
 
 def _communicator_factory(pg: dist.ProcessGroup, target: torch.device) -> Callable[[], Any]:

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import comm
-from comm.backend import _backend_string_device_types
+from comm.groups import backend_string_device_types
 
 from multiproc import NPU, file_store, init_group, run_ranks
 
@@ -42,10 +42,10 @@ def test_default_backend_unknown_device():
 
 
 def test_backend_strings():
-    assert _backend_string_device_types("gloo") == {"cpu", "cuda"}
-    assert _backend_string_device_types("nccl") == {"cuda"}
-    assert _backend_string_device_types("cpu:gloo,cuda:nccl") == {"cpu", "cuda"}
-    assert _backend_string_device_types("xccl") == {"xpu"}
+    assert backend_string_device_types("gloo") == {"cpu", "cuda"}
+    assert backend_string_device_types("nccl") == {"cuda"}
+    assert backend_string_device_types("cpu:gloo,cuda:nccl") == {"cpu", "cuda"}
+    assert backend_string_device_types("xccl") == {"xpu"}
 
 
 def test_device_types_needs_a_group():

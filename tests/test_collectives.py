@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 import comm
+import comm.groups
 import comm.testing
 from comm._releases import TORCH_VERSION
 
@@ -233,7 +234,7 @@ def test_cpu_tensors_on_simulated_hccl():
 def _uneven_and_avg(rank, world_size, force_avg_emulation):
     if force_avg_emulation:
         # Configure gloo as lacking AVG: the emulation must match gloo's native AVG.
-        comm.backend._NATIVE_AVG_SINCE["gloo"] = None
+        comm.groups.NATIVE_AVG_SINCE["gloo"] = None
     device = "cpu"
     seen = {}
     outputs = [torch.full((r + 1, 2), -1.0) for r in range(world_size)]
@@ -304,7 +305,7 @@ def test_uneven_all_gather_and_avg_on_gloo(force_avg_emulation):
     results = run_ranks(_uneven_and_avg, 2, args=(force_avg_emulation,))
     _check_uneven_and_avg(results, 2)
     if force_avg_emulation:  # what gloo itself does, as comm's table says: AVG since torch 2.8
-        gloo_avg = TORCH_VERSION >= comm.backend._NATIVE_AVG_SINCE["gloo"]["all_reduce"]
+        gloo_avg = TORCH_VERSION >= comm.groups.NATIVE_AVG_SINCE["gloo"]["all_reduce"]
         assert results[0]["torch_avg"] == (None if gloo_avg else "Cannot use ReduceOp.AVG with Gloo")
 
 

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor  # noqa: E402
 
 import comm
+import comm.groups
 import comm.testing
 from comm._releases import TORCH_VERSION
 
@@ -26,7 +27,7 @@ TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5}
 # before torch 2.8: they reduce with AVG, which gloo lacks (comm's table), and torch
 # 2.6's FSDP2 on the CPU calls Stream.record_event, which CPU streams lack.
 TORCH_REFERENCE_ON_GLOO = pytest.mark.skipif(
-    TORCH_VERSION < comm.backend._NATIVE_AVG_SINCE["gloo"]["all_reduce"],
+    TORCH_VERSION < comm.groups.NATIVE_AVG_SINCE["gloo"]["all_reduce"],
     reason="torch's FSDP2 and DTensor reduce with AVG, which gloo lacks before torch 2.8",
 )
 
