@@ -51,7 +51,7 @@ class _ForwardingMode(TorchFunctionMode):
 
 def _cases(device: str) -> List[Tuple[str, Callable[..., Any], Tuple[Any, ...], Call, Call]]:
     """(name, torch's own function, its arguments on ``device``, the CUDA form, the stand-in on ``device``)."""
-    from comm.translate_calls import _tensor_to
+    from comm.translate.calls import _tensor_to
 
     zeros = torch.zeros  # torch's own: the translation is not installed yet
     on_device, on_host, big = torch.ones(16, device=device), torch.ones(16), torch.ones(1 << 20)

@@ -22,7 +22,8 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch.distributed as dist
 
-from comm import norm, slot, translate, translate_spawn
+from comm import norm, slot, translate
+from comm.translate import spawn as translate_spawn
 
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
 

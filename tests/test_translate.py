@@ -11,7 +11,10 @@ import torch
 import torch.distributed as dist
 
 import comm
-from comm import translate, translate_calls, translate_cuda
+from comm import translate
+from comm.translate import calls as translate_calls
+from comm.translate import core as translate_core
+from comm.translate import cuda as translate_cuda
 
 from multiproc import error_of, no_cuda_errors, quiet_env
 
@@ -19,7 +22,7 @@ from multiproc import error_of, no_cuda_errors, quiet_env
 @pytest.fixture
 def translated():
     """comm.patch() for one test, with every note logged again."""
-    translate.NOTED.clear()
+    translate_core.NOTED.clear()
     comm.patch()
     assert translate.is_installed()
     yield

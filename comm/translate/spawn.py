@@ -15,6 +15,10 @@ from __future__ import annotations
 import multiprocessing.spawn
 from typing import Any, List
 
+import torch.nn.utils
+
+from comm import translate
+
 __all__ = ["get_command_line"]
 
 _ORIGINAL = multiprocessing.spawn.get_command_line
@@ -31,10 +35,6 @@ def get_command_line(**kwargs: Any) -> List[str]:
 
 
 def _prelude() -> str:
-    import torch.nn.utils
-
-    from comm import translate
-
     # comm.patch's stand-ins name what they replace; torch's own clip_grad_norm_ does not.
     clip = hasattr(torch.nn.utils.clip_grad_norm_, "__comm_replaces__")
     devices = translate.is_installed()

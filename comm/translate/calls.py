@@ -16,7 +16,8 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from comm.translate import NOTED, note, target_type, targets_of, translated_device, translated_type
+from comm.translate.core import NOTED, note, target_type, targets_of, translated_device, translated_type
+from comm.translate.cuda import current_device
 
 __all__ = ["factory_names", "translated_backend", "targets"]
 
@@ -254,8 +255,6 @@ def _map_location(given: Any) -> Any:
 
     def restore(storage: Any, location: str) -> Any:
         if location.startswith("cuda"):
-            from comm.translate_cuda import current_device
-
             location = str(translated_device(torch.device("cuda", current_device())))
         return default_restore_location(storage, location)  # type: ignore[no-untyped-call]
 

@@ -31,8 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from comm import translate
-from comm.translate import note, target_type
+from comm.translate.core import note, target_type, translated_device
 
 __all__ = ["CudaStandIn", "targets"]
 
@@ -116,9 +115,9 @@ def _forwarded(name: str) -> Callable[..., Any]:
             note(f"torch.cuda.{name}", lambda: f"torch.cuda.{name}() into the CPU's answer (no accelerator)")
             return 0 if name in _ZERO_ON_CPU else _cpu_answer(name, *args)
         if args and name not in ("manual_seed", "manual_seed_all", "set_rng_state", "set_rng_state_all"):
-            args = tuple(translate.translated_device(arg) for arg in args)
+            args = tuple(translated_device(arg) for arg in args)
         if "device" in kwargs:
-            kwargs["device"] = translate.translated_device(kwargs["device"])
+            kwargs["device"] = translated_device(kwargs["device"])
         target = getattr(module, name, None)
         if target is None:  # torch.accelerator (torch >= 2.6) has the memory statistics too
             target = getattr(getattr(torch, "accelerator", None), name, None)
@@ -269,7 +268,7 @@ def get_device_capability(device: Any = None) -> Tuple[int, int]:
     if query is None:
         return NO_CAPABILITY
     try:
-        answer = query(translate.translated_device(device))
+        answer = query(translated_device(device))
     except (RuntimeError, NotImplementedError, AssertionError):
         return NO_CAPABILITY
     if isinstance(answer, (tuple, list)) and len(answer) == 2 and all(isinstance(x, int) for x in answer):
@@ -326,7 +325,7 @@ def get_device_properties(device: Any = None) -> DeviceProperties:
                                 multi_processor_count=os.cpu_count() or 1)
     note("torch.cuda.get_device_properties",
          lambda: f"torch.cuda.get_device_properties into torch.{target_type()}.get_device_properties")
-    accelerators = module.get_device_properties(translate.translated_device(device))
+    accelerators = module.get_device_properties(translated_device(device))
     return DeviceProperties(accelerators, capability=get_device_capability(device))
 
 
@@ -358,7 +357,7 @@ def _device_of(device: Any) -> torch.device:
     kind = target_type()
     if device is None:
         return torch.device("cpu") if kind == "cpu" else torch.device(kind, current_device())
-    found = torch.device(translate.translated_device(device))
+    found = torch.device(translated_device(device))
     if found.type != "cpu" and found.index is None:
         return torch.device(found.type, current_device())
     return found

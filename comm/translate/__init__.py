@@ -1,0 +1,95 @@
+"""Device binding in the drop-in mode: CUDA-only calls act on this process's accelerator.
+
+Code written for CUDA (``torch.cuda.set_device(local_rank)``, ``model.cuda(local_rank)``,
+``init_process_group("nccl")``, ``x.to(torch.device("cuda", r))``) fails on a torch
+without CUDA. In a process that has no CUDA, decided once at :func:`install` without
+initialising CUDA, comm translates those calls where a device or backend is consumed:
+
+* ``torch.cuda`` becomes a stand-in module (:mod:`comm.translate.cuda`) whose
+  functions act on the accelerator's own module, or on the CPU where there is none;
+* one device-argument translator serves ``Tensor.to``, ``Tensor.cuda`` (and with it
+  ``Module.cuda`` and ``Module.to``), every torch factory function that takes
+  ``device=`` (found from the operator schemas, not listed by hand), ``pin_memory``,
+  DDP's ``device_ids``/``output_device``, ``init_process_group``/``new_group``
+  (backend and ``device_id``), ``init_device_mesh``, ``torch.autocast``, the gradient
+  scalers and ``torch.load``'s ``map_location`` (:mod:`comm.translate.calls`).
+
+The accelerator is looked up when a call is first translated, not at install (a
+plugin may register its device after the patch), and re-checked while it is the CPU.
+Each kind of translated call logs one INFO line, once, on the ``comm.translate``
+logger. On a machine with CUDA :func:`install` installs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Dict, Tuple
+
+from comm._env import env_switch
+from comm.translate import calls, cuda
+from comm.translate.core import cuda_present, forget_target, target_type, translated_device
+
+__all__ = ["cuda_present", "install", "is_installed", "target_type", "translated_device", "uninstall"]
+
+_LOCK = threading.RLock()
+# Marks an attribute a class only inherited: unpatching deletes it again.
+_ABSENT = object()
+# (id(owner), attribute) -> (owner, attribute, torch's original or _ABSENT).
+_ORIGINALS: Dict[Tuple[int, str], Tuple[Any, str, Any]] = {}
+
+
+def install() -> bool:
+    """Install the translation where this process has no CUDA; return whether it did.
+
+    ``COMM_TRANSLATE=0`` in the environment (``python -m comm --no-devices``) turns
+    it off. Idempotent.
+    """
+    with _LOCK:
+        if _ORIGINALS:
+            return True
+        asked = os.environ.get("COMM_TRANSLATE", "").strip()  # unset: on
+        if (asked and env_switch("COMM_TRANSLATE", "1 or 0 (true/false, yes/no, on/off)") == "off") or cuda_present():
+            return False
+        for owner, name, replacement in cuda.targets() + calls.targets():
+            replace(owner, name, replacement)
+        return True
+
+
+def uninstall() -> None:
+    """Put back torch's exact objects. A no-op when nothing is installed."""
+    with _LOCK:
+        for owner, name, original in reversed(list(_ORIGINALS.values())):
+            if isinstance(owner, dict):
+                owner[name] = original
+            elif original is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        _ORIGINALS.clear()
+        cuda.keep_submodules()
+        forget_target()
+
+
+def is_installed() -> bool:
+    return bool(_ORIGINALS)
+
+
+def replace(owner: Any, name: str, replacement: Any) -> None:
+    """Set ``owner.name`` to ``replacement``, remembering torch's object (or that a class only inherited it)."""
+    key = (id(owner), name)
+    if key in _ORIGINALS:
+        return
+    if isinstance(owner, type):
+        original = owner.__dict__.get(name, _ABSENT)
+    elif isinstance(owner, dict):
+        original = owner[name]
+    else:
+        original = getattr(owner, name)
+    _ORIGINALS[key] = (owner, name, original)
+    if isinstance(owner, dict):
+        owner[name] = replacement
+    else:
+        setattr(owner, name, replacement)
+
+
