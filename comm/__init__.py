@@ -11,6 +11,7 @@ calls on this process's accelerator (:mod:`comm.translate`).
 """
 
 import logging as _logging
+import os as _os
 
 from comm._env import env_switch as _env_switch
 from comm._jupyter import JupyterCommWarning, warn_if_beside_jupyter
@@ -109,9 +110,8 @@ def _say_if_staging_is_unavailable() -> None:
 
 def _simulate_if_asked() -> None:
     """``COMM_SIMULATE=npu`` (or ``npu:hccl``) sets up the simulated accelerator at ``import comm``."""
-    import os
-
-    if os.environ.get("COMM_SIMULATE", "").strip():
+    if _os.environ.get("COMM_SIMULATE", "").strip():
+        # Test support, imported only where asked for: most processes never simulate.
         from comm.testing import simulate_from_environment
 
         simulate_from_environment()

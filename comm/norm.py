@@ -18,6 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+# Private: torch's own test of whether a device runs the foreach kernels, which its
+# clip_grad_norm_ asks; comm asks the same so that its choice matches torch's.
+from torch.utils._foreach_utils import _device_has_foreach_support
+
 from comm.collectives import all_reduce, all_reduce_coalesced
 
 if TYPE_CHECKING:
@@ -220,8 +224,6 @@ def _local_contribution(entries: List[Optional[torch.Tensor]], p: float, foreach
 
 
 def _norms(tensors: List[torch.Tensor], p: float, foreach: Optional[bool], device: torch.device) -> List[torch.Tensor]:
-    from torch.utils._foreach_utils import _device_has_foreach_support
-
     if foreach is not False and _device_has_foreach_support(device):
         return list(torch._foreach_norm(tensors, p))
     if foreach:
@@ -271,8 +273,6 @@ def _by_device_and_dtype(tensors: Sequence[Optional[torch.Tensor]]) -> Dict[Tupl
 
 def _scale_(grads: List[torch.Tensor], coefficient: torch.Tensor, foreach: Optional[bool]) -> None:
     """Multiply ``grads`` in place by ``coefficient``, foreach per device and dtype."""
-    from torch.utils._foreach_utils import _device_has_foreach_support
-
     with torch.no_grad():
         for (device, _), members in _by_device_and_dtype(grads).items():
             group = [grad for _, grad in members]

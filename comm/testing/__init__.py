@@ -144,6 +144,7 @@ def offloaded(tensor: torch.Tensor, mesh: "torch.distributed.device_mesh.DeviceM
     ``DTensor.from_local`` cannot build it (it moves the local tensor to the mesh's
     device). The result shares the local tensor: scaling one scales the other.
     """
+    # DTensor costs a second and more at import; only this helper needs it.
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 

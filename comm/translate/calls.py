@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from comm.backend import default_backend
 from comm.translate.core import NOTED, note, target_type, targets_of, translated_device, translated_type
 from comm.translate.cuda import current_device
 
@@ -157,8 +158,6 @@ def translated_backend(backend: Any) -> Any:
     machine ``cuda`` becomes ``cpu``) keeps its first entry, so ``"cpu:gloo,cuda:nccl"``
     collapses to ``"cpu:gloo"``. Anything without ``nccl`` or ``cuda`` is unchanged.
     """
-    from comm.backend import default_backend
-
     if not isinstance(backend, str) or ("nccl" not in backend.lower() and "cuda" not in backend.lower()):
         return backend
     if ":" not in backend:

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from comm.launch import launch_info
 from comm.translate.core import note, target_type, translated_device
 
 __all__ = ["CudaStandIn", "targets"]
@@ -170,8 +171,6 @@ def device_count() -> int:
     if module is not None:
         return int(module.device_count())
     # On the CPU: one "device" per local rank under a launcher, else one per core.
-    from comm.launch import launch_info
-
     info = launch_info()
     return info.local_world_size if info.launcher != "single" else os.cpu_count() or 1
 
