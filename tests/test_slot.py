@@ -132,6 +132,40 @@ def test_every_road_into_c10d_stages_on_simulated_hccl():
             assert result["stats"][name]["staged_calls"] > 0, result["stats"]
 
 
+def _late_coalesced_block(rank, world_size):
+    """torch's coalescing manager told the CPU: its fast path sends the CPU all-reduces as one
+    allreduce_coalesced inside the staging backend's block. Rank 1 comes late, so rank 0's
+    results exist only once its wait has waited for the collective itself."""
+    import time
+
+    npu = torch.device("npu", rank)
+    init_group("hccl", rank, world_size, device_id=npu)
+    comm.patch()
+    seen = {}
+    for count in (2, 3):
+        for async_ops in (False, True):
+            tensors = [_values(rank + i, "cpu", 4 + i) for i in range(count)]
+            if rank == 1:
+                time.sleep(0.5)
+            with _coalescing_manager(dist.group.WORLD, device=torch.device("cpu"), async_ops=async_ops) as manager:
+                for tensor in tensors:
+                    dist.all_reduce(tensor)
+            if async_ops:
+                manager.wait()
+            seen[(count, async_ops)] = tensors
+    comm.unpatch()
+    return seen
+
+
+def test_a_coalesced_block_of_cpu_all_reduces_waits_for_hccls_own_work():
+    """HCCL leaves a plain all-reduce out of its coalescing block (its endCoalescing returns
+    nothing); comm must wait for that all-reduce's own work before writing back."""
+    for seen in run_ranks(_late_coalesced_block, backend=None, simulate=NPU, timeout=120):
+        for (count, async_ops), tensors in seen.items():
+            expected = [_values(i, "cpu", 4 + i) + _values(1 + i, "cpu", 4 + i) for i in range(count)]
+            assert all(torch.equal(a, b) for a, b in zip(tensors, expected, strict=True)), (count, async_ops, tensors)
+
+
 def _mixed(rank, npu, group, into, source):
     """Calls whose tensors lie on two devices: outputs on ``into``, inputs on ``source``."""
     gathered = torch.zeros(12, device=into)

@@ -85,6 +85,29 @@ class DeviceWork final : public c10d::Work {
   bool fails_;
 };
 
+// The work endCoalescing returns for the calls that joined a coalescing block.
+class JoinedWork final : public c10d::Work {
+ public:
+  explicit JoinedWork(std::vector<WorkPtr> works) : Work(-1, c10d::OpType::COALESCED), works_(std::move(works)) {}
+
+  bool isCompleted() override {
+    return std::all_of(works_.begin(), works_.end(), [](const WorkPtr& work) { return work->isCompleted(); });
+  }
+  bool isSuccess() const override {
+    return std::all_of(works_.begin(), works_.end(), [](const WorkPtr& work) { return work->isSuccess(); });
+  }
+  void synchronize() override {
+    for (auto& work : works_) work->synchronize();
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    for (auto& work : works_) work->wait(timeout);
+    return true;
+  }
+
+ private:
+  std::vector<WorkPtr> works_;
+};
+
 class SimulatedBackend final : public c10d::Backend {
  public:
   SimulatedBackend(c10::intrusive_ptr<c10d::Backend> host, std::string name, std::map<int64_t, std::string> unsupported)
@@ -95,6 +118,26 @@ class SimulatedBackend final : public c10d::Backend {
 
   const std::string getBackendName() const override { return name_; }
 
+  // Coalescing as HCCL does it (torch_npu's ProcessGroupHCCL: supportsCoalescing() is
+  // true, ProcessGroupHCCL.hpp:566 in the 2.13 wheel; collectiveCoalesced and p2p join a
+  // block, a plain collective() never does; endCoalescing returns nullptr when nothing
+  // joined, ProcessGroupHCCL.cpp:6403 on master, :6060 in 2.9.1). Every call still runs
+  // when it is made; a joined call's work is endCoalescing's to wait for.
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    coalescing_ = true;
+    joined_.clear();
+  }
+  WorkPtr endCoalescing() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    coalescing_ = false;
+    if (joined_.empty()) return nullptr; // "There is no actual work being coalesced"
+    std::vector<WorkPtr> joined;
+    joined.swap(joined_);
+    return c10::make_intrusive<JoinedWork>(std::move(joined));
+  }
+
   WorkPtr broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) override {
     return in_place(&c10d::Backend::broadcast, tensors, opts, c10d::OpType::BROADCAST);
   }
@@ -104,7 +147,7 @@ class SimulatedBackend final : public c10d::Backend {
   }
   WorkPtr allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
     check(opts.reduceOp);
-    return in_place(&c10d::Backend::allreduce_coalesced, tensors, opts, c10d::OpType::ALLREDUCE_COALESCED);
+    return join(in_place(&c10d::Backend::allreduce_coalesced, tensors, opts, c10d::OpType::ALLREDUCE_COALESCED));
   }
   WorkPtr reduce(Tensors& tensors, const c10d::ReduceOptions& opts) override {
     check(opts.reduceOp);
@@ -130,8 +173,8 @@ class SimulatedBackend final : public c10d::Backend {
                                           const c10d::AllgatherOptions& opts) override {
     auto host_outputs = to_host(outputs);
     auto host_inputs = to_host(inputs);
-    return done(host_->allgather_into_tensor_coalesced(host_outputs, host_inputs, opts), outputs,
-                c10d::OpType::COALESCED);
+    return join(done(host_->allgather_into_tensor_coalesced(host_outputs, host_inputs, opts), outputs,
+                     c10d::OpType::COALESCED));
   }
   WorkPtr gather(TensorLists& outputs, Tensors& inputs, const c10d::GatherOptions& opts) override {
     auto host_outputs = to_host(outputs);
@@ -161,8 +204,8 @@ class SimulatedBackend final : public c10d::Backend {
     check(opts.reduceOp);
     auto host_outputs = to_host(outputs);
     auto host_inputs = to_host(inputs);
-    return done(host_->reduce_scatter_tensor_coalesced(host_outputs, host_inputs, opts), outputs,
-                comm_releases::kReduceScatterTensorCoalesced);
+    return join(done(host_->reduce_scatter_tensor_coalesced(host_outputs, host_inputs, opts), outputs,
+                     comm_releases::kReduceScatterTensorCoalesced));
   }
   WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
                         std::vector<int64_t>& input_splits, const c10d::AllToAllOptions& opts) override {
@@ -178,11 +221,11 @@ class SimulatedBackend final : public c10d::Backend {
   }
   WorkPtr send(Tensors& tensors, int dst, int tag) override {
     auto hosts = to_host(tensors);
-    return done(host_->send(hosts, dst, tag), tensors, c10d::OpType::SEND);
+    return join(done(host_->send(hosts, dst, tag), tensors, c10d::OpType::SEND), /*p2p=*/true);
   }
   WorkPtr recv(Tensors& tensors, int src, int tag) override {
     auto hosts = to_host(tensors);
-    return done(host_->recv(hosts, src, tag), tensors, c10d::OpType::RECV);
+    return join(done(host_->recv(hosts, src, tag), tensors, c10d::OpType::RECV), /*p2p=*/true);
   }
   WorkPtr recvAnysource(Tensors& tensors, int tag) override {
     auto hosts = to_host(tensors);
@@ -234,6 +277,14 @@ class SimulatedBackend final : public c10d::Backend {
     return done((host_.get()->*method)(hosts, opts), tensors, type);
   }
 
+  // A call that joins an open coalescing block: its work is endCoalescing's; p2p then returns none.
+  WorkPtr join(WorkPtr work, bool p2p = false) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!coalescing_) return work;
+    joined_.push_back(work);
+    return p2p ? nullptr : work;
+  }
+
   static WorkPtr done(WorkPtr host, Tensors outputs, c10d::OpType type) {
     ++collectives;
     bool fails = injected_fault(host);
@@ -243,6 +294,9 @@ class SimulatedBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> host_;
   std::string name_;
   std::map<int64_t, std::string> unsupported_;
+  std::mutex mutex_;
+  bool coalescing_ = false;
+  std::vector<WorkPtr> joined_;
 };
 
 } // namespace
