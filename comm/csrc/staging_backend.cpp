@@ -255,9 +255,11 @@ WorkPtr StagingBackend::endCoalescing() {
     backs.swap(coalescedBacks_);
   }
   if (coalesces) {
+    // A communicator that coalesces returns one work for the calls that joined its block,
+    // or none where none joined: HCCL's plain calls (and so comm's flattened coalesced
+    // all-reduce) run outside its block, each with a work of its own to wait for.
     auto work = comm.endCoalescing();
-    works.clear();
-    if (work) works.push_back(work);
+    if (work) works = {work};
   }
   if (backs.empty()) backs.push_back(std::make_shared<WriteBack>("coalesced", "comm staged nothing",
                                                                  std::vector<Piece>{}, Tensors{}, 1));
@@ -289,8 +291,8 @@ WorkPtr StagingBackend::finish(Call& call, c10d::OpType type, const std::functio
   std::lock_guard<std::mutex> lock(mutex_);
   if (coalescing_) {
     coalescedBacks_.push_back(back);
-    if (communicatorCoalesces_) return c10::make_intrusive<DoneWork>();
     if (work) coalescedWorks_.push_back(work);
+    if (communicatorCoalesces_) return c10::make_intrusive<DoneWork>();
   }
   std::vector<WorkPtr> works;
   if (work) works.push_back(work);
