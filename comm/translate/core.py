@@ -5,6 +5,7 @@ type, or the CPU), a CUDA device as that device, and one log line per kind of tr
 from __future__ import annotations
 
 import logging
+import types
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -124,3 +125,12 @@ def targets_of(owners: List[Any], name: str, make: Callable[[Any], Any]) -> List
         return []
     stand_in = make(getattr(found[0], name))
     return [(owner, name, stand_in) for owner in found]
+
+
+def accelerator_module() -> Optional[types.ModuleType]:
+    """The accelerator's device module, or None on the CPU."""
+    kind = target_type()
+    if kind == "cpu":
+        return None
+    module = getattr(torch, kind, None)
+    return module if isinstance(module, types.ModuleType) else None

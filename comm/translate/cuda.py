@@ -24,15 +24,15 @@ import functools
 import os
 import platform
 import sys
-import sysconfig
-import time
 import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from comm.launch import launch_info
-from comm.translate.core import note, target_type, translated_device
+from comm.translate.classes import Event, Stream
+from comm.translate.core import accelerator_module, note, target_type, translated_device
+from comm.translate.policy import sees_the_truth
 
 __all__ = ["CudaStandIn", "targets"]
 
@@ -44,15 +44,6 @@ _NONE_ON_CPU = ("synchronize", "empty_cache", "reset_peak_memory_stats", "reset_
                 "manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all")
 
 
-def _accelerator() -> Optional[types.ModuleType]:
-    """The accelerator's device module, or None on the CPU."""
-    kind = target_type()
-    if kind == "cpu":
-        return None
-    module = getattr(torch, kind, None)
-    return module if isinstance(module, types.ModuleType) else None
-
-
 def _index(device: Any) -> Optional[int]:
     """The device index a CUDA call names (an int, ``"cuda:N"``, a device), or None for the current one."""
     if device is None or isinstance(device, int):
@@ -62,56 +53,11 @@ def _index(device: Any) -> Optional[int]:
     return int(device)
 
 
-# Installed packages that choose the device from is_available() and then run on it through
-# torch.cuda's functions, which the stand-in translates: Lightning's accelerator="cuda".
-DEVICE_SELECTORS = frozenset({"lightning", "lightning_fabric", "pytorch_lightning"})
-_OWN = frozenset({"torch", "comm"})
-_INSTALLED = ("site-packages", "dist-packages")
-
-
-def _sees_the_truth(depth: int = 2) -> bool:
-    """Whether the function ``depth`` frames up was called by code that must see that there is no CUDA.
-
-    That is torch and comm, and installed packages (code in a site-packages or
-    dist-packages folder, or the standard library) other than the device-selection
-    frameworks of :data:`DEVICE_SELECTORS`: a library told ``True`` takes paths that
-    need CUDA itself (capability checks, Triton kernels, fused optimizers). The user's
-    script and its own modules see ``True``.
-    """
-    frame = sys._getframe(depth)
-    return _truth_for(str(frame.f_globals.get("__name__", "")), frame.f_code.co_filename)
-
-
-@functools.lru_cache(maxsize=4096)
-def _truth_for(module: str, filename: str) -> bool:
-    top = module.partition(".")[0]
-    if top in _OWN:
-        return True
-    if top in DEVICE_SELECTORS:
-        return False
-    return _is_installed_code(filename)
-
-
-@functools.lru_cache(maxsize=1)
-def _standard_library() -> Tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    return tuple(os.path.realpath(paths[key]) + os.sep for key in ("stdlib", "platstdlib") if key in paths)
-
-
-def _is_installed_code(filename: str) -> bool:
-    """Whether ``filename`` belongs to an installed package or the standard library, not to the user's project."""
-    if not filename or filename.startswith("<"):  # python -c, exec'd strings, notebooks' cells
-        return False
-    path = os.path.realpath(filename)
-    parts = path.split(os.sep)
-    return any(part in _INSTALLED for part in parts) or path.startswith(_standard_library())
-
-
 def _forwarded(name: str) -> Callable[..., Any]:
     """``torch.cuda.<name>`` on the accelerator's module of the same name, or its CPU answer."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        module = _accelerator()
+        module = accelerator_module()
         if module is None:
             note(f"torch.cuda.{name}", lambda: f"torch.cuda.{name}() into the CPU's answer (no accelerator)")
             return 0 if name in _ZERO_ON_CPU else _cpu_answer(name, *args)
@@ -157,7 +103,7 @@ def _memory_info() -> Tuple[int, int]:
 
 def is_available() -> bool:
     """True for the user's code (its CUDA branch is the one comm translates), the truth for libraries."""
-    if _sees_the_truth():
+    if sees_the_truth():
         return bool(_REAL.is_available())
     note("torch.cuda.is_available", lambda: f"torch.cuda.is_available() into True (running on {target_type()})")
     return True
@@ -165,9 +111,9 @@ def is_available() -> bool:
 
 def device_count() -> int:
     """The accelerator's device count for the user's code (see :func:`is_available`), the truth for libraries."""
-    if _sees_the_truth():
+    if sees_the_truth():
         return int(_REAL.device_count())
-    module = _accelerator()
+    module = accelerator_module()
     if module is not None:
         return int(module.device_count())
     # On the CPU: one "device" per local rank under a launcher, else one per core.
@@ -182,7 +128,7 @@ _cpu_index = 0
 def set_device(device: Any) -> None:
     global _cpu_index
     index = _index(device)
-    module = _accelerator()
+    module = accelerator_module()
     note("torch.cuda.set_device", lambda: f"torch.cuda.set_device({device!r}) into "
          + (f"torch.{target_type()}.set_device({index})" if module else "nothing (no accelerator: the CPU)"))
     if index is None or index < 0:
@@ -194,7 +140,7 @@ def set_device(device: Any) -> None:
 
 
 def current_device() -> int:
-    module = _accelerator()
+    module = accelerator_module()
     return _cpu_index if module is None else int(module.current_device())
 
 
@@ -206,7 +152,7 @@ class device:  # noqa: N801  (torch.cuda.device's own name)
         self._context: Any = contextlib.nullcontext()
 
     def __enter__(self) -> None:
-        module = _accelerator()
+        module = accelerator_module()
         if module is not None and self.index is not None and self.index >= 0:
             note("torch.cuda.device", lambda: f"torch.cuda.device into torch.{target_type()}.device")
             self._context = module.device(self.index)
@@ -262,7 +208,7 @@ def get_device_capability(device: Any = None) -> Tuple[int, int]:
     default). ``(0, 0)`` is a capability below every architecture CUDA code checks for,
     so it takes its generic path.
     """
-    module = _accelerator()
+    module = accelerator_module()
     query = getattr(module, "get_device_capability", None) if module is not None else None
     if query is None:
         return NO_CAPABILITY
@@ -318,7 +264,7 @@ class DeviceProperties:
 
 def get_device_properties(device: Any = None) -> DeviceProperties:
     """The accelerator's properties with CUDA's fields filled in; on the CPU, the host's."""
-    module = _accelerator()
+    module = accelerator_module()
     if module is None:
         return DeviceProperties(None, name=_cpu_answer("get_device_name"), total_memory=_memory_info()[1],
                                 multi_processor_count=os.cpu_count() or 1)
@@ -326,102 +272,6 @@ def get_device_properties(device: Any = None) -> DeviceProperties:
          lambda: f"torch.cuda.get_device_properties into torch.{target_type()}.get_device_properties")
     accelerators = module.get_device_properties(translated_device(device))
     return DeviceProperties(accelerators, capability=get_device_capability(device))
-
-
-class _StandsFor(type):
-    """The type of a stand-in class: its instances include the accelerator's own objects of that kind.
-
-    ``torch.cuda.Stream()`` on an accelerator returns the accelerator's stream (what its
-    functions accept), so ``isinstance(x, torch.cuda.Stream)`` must accept that too, and
-    the streams ``current_stream()`` returns. Everything else (``X | None``,
-    annotations, subclassing) is an ordinary class's.
-    """
-
-    def __instancecheck__(cls, instance: Any) -> bool:
-        if type.__instancecheck__(cls, instance):
-            return True
-        kind: str = cls.__dict__.get("_KIND", "")
-        if not kind:
-            return False
-        module = _accelerator()
-        own = getattr(module, kind, None) if module is not None else None
-        if isinstance(own, type) and isinstance(instance, own):
-            return True
-        generic = getattr(torch, kind)  # torch.Stream, torch.Event: what torch.accelerator hands out
-        return isinstance(instance, generic) and instance.device.type == target_type()
-
-
-def _device_of(device: Any) -> torch.device:
-    """The device a stream is made on: the given CUDA device translated, else the current device."""
-    kind = target_type()
-    if device is None:
-        return torch.device("cpu") if kind == "cpu" else torch.device(kind, current_device())
-    found = torch.device(translated_device(device))
-    if found.type != "cpu" and found.index is None:
-        return torch.device(found.type, current_device())
-    return found
-
-
-class Stream(torch.Stream, metaclass=_StandsFor):
-    """``torch.cuda.Stream``: the accelerator's own stream class makes it; on the CPU, torch's CPU stream.
-
-    A subclass (``class MyStream(torch.cuda.Stream)``) gets an instance of itself, a
-    ``torch.Stream`` on the same device, since the accelerator's class is not its base.
-    """
-
-    _KIND = "Stream"
-
-    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> "Stream":
-        target = _device_of(device)
-        module = _accelerator()
-        own = getattr(module, "Stream", None) if module is not None else None
-        if cls is Stream and isinstance(own, type):
-            note("torch.cuda.Stream", lambda: f"torch.cuda.Stream into torch.{target_type()}.Stream")
-            made: Stream = own(target, priority=priority, **kwargs)
-            return made
-        return super().__new__(cls, device=target, priority=priority)
-
-
-class Event(metaclass=_StandsFor):
-    """``torch.cuda.Event``: the accelerator's own event; on the CPU (torch's CPU backend has none) the host's clock.
-
-    On the CPU work is done when its call returns, so a recorded event has completed,
-    and ``elapsed_time`` is the host time between two records, in milliseconds.
-    """
-
-    _KIND = "Event"
-
-    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
-                **kwargs: Any) -> "Event":
-        module = _accelerator()
-        own = getattr(module, "Event", None) if module is not None else None
-        if cls is Event and own is not None:
-            note("torch.cuda.Event", lambda: f"torch.cuda.Event into torch.{target_type()}.Event")
-            made: Event = own(enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
-            return made
-        return super().__new__(cls)
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
-                 **kwargs: Any) -> None:
-        self.enable_timing = enable_timing
-        self.recorded: Optional[float] = None
-
-    def record(self, stream: Any = None) -> None:
-        self.recorded = time.perf_counter()
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def elapsed_time(self, end: "Event") -> float:
-        if not self.enable_timing or self.recorded is None or end.recorded is None:
-            raise RuntimeError("elapsed_time needs two recorded events created with enable_timing=True")
-        return (end.recorded - self.recorded) * 1000.0
 
 
 def _stream_on_cpu() -> Dict[str, Any]:
@@ -456,7 +306,7 @@ def stand_in() -> CudaStandIn:
 def _cpu_or(forwarded: Callable[..., Any], on_cpu: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forwarded)
     def call(*args: Any, **kwargs: Any) -> Any:
-        return forwarded(*args, **kwargs) if _accelerator() is not None else on_cpu(*args, **kwargs)
+        return forwarded(*args, **kwargs) if accelerator_module() is not None else on_cpu(*args, **kwargs)
 
     return call
 
