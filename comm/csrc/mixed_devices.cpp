@@ -52,33 +52,11 @@ class Copies {
   // The argument with its foreign tensors replaced; `reads`/`writes`: whether the
   // collective reads the argument's data and whether its results come back.
   c10::IValue replace(const c10::IValue& value, bool reads, bool writes) {
-    if (value.isTensor()) return one(value.toTensor(), reads, writes);
-    if (value.isTensorList()) {
-      c10::List<at::Tensor> list;
-      for (const at::Tensor& tensor : value.toTensorList()) list.push_back(one(tensor, reads, writes));
-      return list;
-    }
-    if (value.isList() && !value.toListRef().empty() && value.toListRef().front().isTensorList()) {
-      c10::List<c10::List<at::Tensor>> lists;
-      for (const c10::IValue& item : value.toListRef()) lists.push_back(replace(item, reads, writes).toTensorList());
-      return lists;
-    }
-    return value;
+    return mapTensors(value, [&](const at::Tensor& tensor) { return one(tensor, reads, writes); });
   }
   // Returned tensors: the caller's, where the collective ran on copies.
   c10::IValue restore(const c10::IValue& value) {
-    if (value.isTensor()) return callerOf(value.toTensor());
-    if (value.isTensorList()) {
-      c10::List<at::Tensor> list;
-      for (const at::Tensor& tensor : value.toTensorList()) list.push_back(callerOf(tensor));
-      return list;
-    }
-    if (value.isList() && !value.toListRef().empty() && value.toListRef().front().isTensorList()) {
-      c10::List<c10::List<at::Tensor>> lists;
-      for (const c10::IValue& item : value.toListRef()) lists.push_back(restore(item).toTensorList());
-      return lists;
-    }
-    return value;
+    return mapTensors(value, [this](const at::Tensor& tensor) { return callerOf(tensor); });
   }
 
   // Counts the call and its copies in, under `name`, once the collective has been issued.
@@ -94,6 +72,22 @@ class Copies {
   }
 
  private:
+  // `value` with each tensor (alone, in a list, or in a list of lists) replaced by `change(tensor)`.
+  template <typename F>
+  static c10::IValue mapTensors(const c10::IValue& value, F&& change) {
+    if (value.isTensor()) return change(value.toTensor());
+    if (value.isTensorList()) {
+      c10::List<at::Tensor> list;
+      for (const at::Tensor& tensor : value.toTensorList()) list.push_back(change(tensor));
+      return list;
+    }
+    if (value.isList() && !value.toListRef().empty() && value.toListRef().front().isTensorList()) {
+      c10::List<c10::List<at::Tensor>> lists;
+      for (const c10::IValue& item : value.toListRef()) lists.push_back(mapTensors(item, change).toTensorList());
+      return lists;
+    }
+    return value;
+  }
   template <typename F>
   static void forEachTensor(const c10::IValue& value, F&& visit) {
     if (value.isTensor()) {

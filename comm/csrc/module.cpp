@@ -20,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return staging->target();
   });
   m.def("route_mixed_devices", &routeMixedDevices,
-        "Collectives whose tensors lie on two device types go to comm's backend where a group has it for one.");
+        "Collectives whose tensors lie on the CPU and an accelerator stage on an equipped group's own backend.");
   m.def("tallies", []() {
     std::map<std::string, std::map<std::string, int64_t>> out;
     for (const auto& [name, t] : tallies()) {

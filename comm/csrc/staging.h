@@ -165,8 +165,9 @@ class StagingBackend final : public c10d::Backend {
   std::vector<std::shared_ptr<WriteBack>> coalescedBacks_;
 };
 
-// From the first call on: a collective whose tensors lie on two device types goes to
-// comm's backend where the group has it for one of them (mixed_devices.cpp).
+// From the first call on: a collective whose tensors lie on the CPU and an accelerator,
+// on a group comm has equipped, runs on the group's own backend with the CPU tensors
+// staged onto the accelerator (mixed_devices.cpp).
 void routeMixedDevices();
 
 } // namespace comm_native
