@@ -3,12 +3,15 @@
 ``comm.patch()`` equips every process group with comm's staging backend
 (:mod:`comm.slot`): the groups that exist, and each group c10d creates afterwards
 (``init_process_group``, ``new_group``, ``DeviceMesh`` and its subgroups), by
-watching the one function c10d creates groups with; groups split from an equipped
+wrapping the one function c10d creates groups with, whoever put it there and
+whenever (torch_npu puts a copy of its own there, inside ``import torch`` or at a
+later ``import torch_npu``: comm wraps that one); groups split from an equipped
 group (``split_group``) get comm's backend from its split. It replaces none of
 torch's collectives: c10d hands the calls on unserved devices to comm's backend,
 and every other call is torch's alone. Unless told not to, it also puts
 :func:`comm.clip_grad_norm_` in place of torch's (one collective for all the
-gradients, whatever their devices).
+gradients, whatever their devices). What it replaces is recorded in comm's one
+ledger of replacements (:mod:`comm._ledger`), which :func:`unpatch` restores from.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ import functools
 import importlib
 import logging
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
-from comm import norm, slot, translate
+from comm import _ledger, norm, slot, translate
 from comm.translate import spawn as translate_spawn
 
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
@@ -30,8 +33,8 @@ __all__ = ["is_patched", "patch", "patched", "unpatch"]
 _LOG = logging.getLogger("comm")
 _CLIP_MODULES = ("torch.nn.utils", "torch.nn.utils.clip_grad")
 _LOCK = threading.RLock()
-# (module name, attribute) -> torch's original object, for each attribute replaced.
-_ORIGINALS: Dict[Tuple[str, str], Any] = {}
+# Who holds the drop-in mode's replacements in comm's ledger (comm._ledger).
+_BY = "comm.patch()"
 
 
 def patch(clip_grad_norm: bool = True, devices: bool = True) -> None:
@@ -48,8 +51,15 @@ def patch(clip_grad_norm: bool = True, devices: bool = True) -> None:
     with _LOCK:
         if devices:
             translate.install()
-        for module_name, name, replacement in _targets(clip_grad_norm):
-            _install(module_name, name, replacement)
+        if slot.unavailable_reason() is None:
+            module_name, name = slot.GROUP_CREATION
+            # Followed, not just replaced: a plugin that puts its own helper there later
+            # (torch_npu imported after comm) gets comm's wrapper in front of it too.
+            _ledger.follow(importlib.import_module(module_name), name, _watching, by=_BY)
+        if clip_grad_norm:
+            for module_name in _CLIP_MODULES:
+                _install(module_name, "clip_grad_norm_", norm.clip_grad_norm_)
+        _install("multiprocessing.spawn", "get_command_line", translate_spawn.get_command_line)
         reason = slot.unavailable_reason()
         if reason is not None:
             _LOG.warning("comm.patch() cannot stage: %s", reason)
@@ -59,56 +69,50 @@ def patch(clip_grad_norm: bool = True, devices: bool = True) -> None:
 
 
 def unpatch() -> None:
-    """Put back torch's exact original objects. Groups already equipped keep comm's backend (c10d cannot drop one)."""
+    """Put back what comm replaced, where it still holds comm's object. Groups already equipped keep comm's backend.
+
+    Where someone replaced comm's object after comm did (torch_npu imported after
+    ``comm.patch()``), theirs stays. c10d cannot drop a backend from a group.
+    """
     with _LOCK:
-        for (module_name, name), original in list(_ORIGINALS.items()):
-            setattr(importlib.import_module(module_name), name, original)
-            del _ORIGINALS[(module_name, name)]
+        _ledger.restore(by=_BY)
         translate.uninstall()
 
 
 def is_patched() -> bool:
     """Whether comm is currently watching group creation (or replacing ``clip_grad_norm_``)."""
-    return bool(_ORIGINALS)
+    return bool(_ledger.held(_BY))
 
 
 @contextlib.contextmanager
 def patched(clip_grad_norm: bool = True, devices: bool = True) -> Iterator[None]:
     """Patch inside a ``with`` block; nests, and undoes only what it patched itself."""
     with _LOCK:
-        before = set(_ORIGINALS)
+        before = _ledger.held(_BY)
         translated = translate.is_installed()
         patch(clip_grad_norm, devices)
-        added = set(_ORIGINALS) - before
+        added = _ledger.held(_BY) - before
     try:
         yield
     finally:
         with _LOCK:
-            for key in added & set(_ORIGINALS):  # unpatch() inside the block restored the rest
-                module_name, name = key
-                setattr(importlib.import_module(module_name), name, _ORIGINALS.pop(key))
+            _ledger.restore(by=_BY, only=added)  # what unpatch() inside the block restored is gone already
             if not translated:
                 translate.uninstall()
 
 
-def _targets(clip_grad_norm: bool) -> List[Tuple[str, str, Callable[..., Any]]]:
-    targets: List[Tuple[str, str, Callable[..., Any]]] = []
-    if slot.unavailable_reason() is None:
-        module_name, name = slot.GROUP_CREATION
-        targets.append((module_name, name, _create_group))
-    if clip_grad_norm:
-        targets += [(m, "clip_grad_norm_", norm.clip_grad_norm_) for m in _CLIP_MODULES]
-    targets.append(("multiprocessing.spawn", "get_command_line", translate_spawn.get_command_line))
-    return targets
+def _watching(helper: Callable[..., Any]) -> Callable[..., Any]:
+    """c10d's group-creation ``helper`` (torch's, or a plugin's copy of it), then comm's backend in each new group."""
+    return _stand_in(helper, functools.partial(_create_group, helper))
 
 
-def _create_group(*args: Any, **kwargs: Any) -> Any:
-    """c10d's own group creation, then comm's backend in the new group's empty slots.
+def _create_group(helper: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``helper`` creates the group as c10d does; comm then fills its empty slots.
 
     A rank outside the new group gets torch's placeholder (``NON_GROUP_MEMBER``)
     rather than a group: nothing to equip there.
     """
-    created = _ORIGINALS[slot.GROUP_CREATION](*args, **kwargs)
+    created = helper(*args, **kwargs)
     group = created[0]  # (the group, its store)
     if isinstance(group, dist.ProcessGroup):
         slot.equip(group)
@@ -116,12 +120,9 @@ def _create_group(*args: Any, **kwargs: Any) -> Any:
 
 
 def _install(module_name: str, name: str, replacement: Callable[..., Any]) -> None:
-    if (module_name, name) in _ORIGINALS:
-        return
     module = importlib.import_module(module_name)
-    original = getattr(module, name)
-    _ORIGINALS[(module_name, name)] = original
-    setattr(module, name, _stand_in(original, replacement))
+    if (id(module), name) not in _ledger.held(_BY):
+        _ledger.replace(module, name, _stand_in(getattr(module, name), replacement), by=_BY)
 
 
 def _stand_in(original: Callable[..., Any], replacement: Callable[..., Any]) -> Callable[..., Any]:

@@ -10,7 +10,9 @@ formulas (:mod:`comm._profile_figures`).
 
 It costs nothing when off. While a profile is open, ``torch.distributed``'s
 functions (and those comm's explicit calls use, :data:`comm.collectives.TORCH`) are
-timing wrappers of torch's own; when the last one closes they are torch's again.
+timing wrappers of torch's own, recorded in comm's one ledger of replacements
+(:mod:`comm._ledger`); when the last one closes they are torch's again, except
+where someone replaced a wrapper in the meantime (theirs stays).
 Calls torch makes from C++ (DDP's reducer) or through functional collectives
 (DTensor, compiled code), and functions imported by name before the block opened,
 are not timed; their staging is still counted.
@@ -25,14 +27,14 @@ import sys
 import threading
 import time
 from types import TracebackType
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.distributed_c10d import _world
 
-from comm import collectives, observability
+from comm import _ledger, collectives, observability
 from comm._env import env_switch
 from comm._profile_figures import MESSAGE_ARGUMENT, Measured, collective_dict, message, summary_table
 from comm.launch import launch_info
@@ -293,7 +295,8 @@ def profile() -> Profile:
 
 _LOCK = threading.Lock()
 _ACTIVE: Tuple[Profile, ...] = ()  # replaced whole: a reader never sees half of it
-_SAVED: List[Tuple[Dict[str, Any], str, Any]] = []  # (a module's namespace or comm's table, name, torch's function)
+# Who holds the timing wrappers in comm's ledger (comm._ledger).
+_BY = "comm.profile()"
 
 
 def _open(block: Profile) -> None:
@@ -317,23 +320,20 @@ def _close(block: Profile) -> None:
             block._staged_after = observability.stats()
         _ACTIVE = tuple(other for other in _ACTIVE if other is not block)
         if not _ACTIVE:
-            for holder, name, original in reversed(_SAVED):
-                holder[name] = original
-            _SAVED.clear()
+            _ledger.restore(by=_BY)
 
 
 def _install() -> None:
     """Put timing wrappers of torch's functions where torch.distributed and comm's calls look them up."""
-    holders = [vars(dist), vars(c10d), collectives.TORCH]
     # One timing wrapper per function, wherever it is held: torch compares functions by
     # identity (P2POp's op against distributed_c10d.isend).
     timed: Dict[int, Callable[..., Any]] = {}
-    for holder in holders:
+    for holder in (dist, c10d, collectives.TORCH):
+        namespace = holder if isinstance(holder, dict) else vars(holder)
         for name in _SIGNATURES:
-            if name in holder:
-                original = holder[name]
-                _SAVED.append((holder, name, original))
-                holder[name] = timed.setdefault(id(original), _timed(name, original))
+            if name in namespace:
+                original = namespace[name]
+                _ledger.replace(holder, name, timed.setdefault(id(original), _timed(name, original)), by=_BY)
 
 
 def profile_if_asked() -> None:

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 
 import comm
+from comm import _ledger
 
 import thirdparty
 from multiproc import NPU, SEED_ERROR, run_ranks
@@ -79,6 +81,32 @@ def test_patched_context_manager_nests():
             pass
         assert comm.is_patched()
     assert c10d._new_process_group_helper is original and not comm.is_patched()
+
+
+def _as_read(owner, name):
+    """What ``owner`` holds by ``name``, and whether as its own (a class may only inherit it)."""
+    if isinstance(owner, dict):
+        return owner.get(name), name in owner
+    return getattr(owner, name, None), not isinstance(owner, type) or name in vars(owner)
+
+
+def test_unpatch_and_closing_a_profile_leave_every_replaced_object_as_it_was():
+    comm.patch()
+    with comm.profile():
+        places = [(entry.owner, entry.name) for entry in _ledger.entries()]
+        parties = {entry.by for entry in _ledger.entries()}
+    comm.unpatch()
+    assert parties == {"comm.patch()", "comm.translate", "comm.profile()"} and len(places) > 20
+    before = [_as_read(owner, name) for owner, name in places]
+    comm.patch()
+    with comm.profile():
+        recorded = {(id(entry.owner), entry.name): entry.original for entry in _ledger.entries()}
+        assert all(recorded[(id(owner), name)] is read[0] for (owner, name), read in zip(places, before))
+    comm.unpatch()
+    after = [_as_read(owner, name) for owner, name in places]
+    changed = [(owner, name) for (owner, name), old, new in zip(places, before, after)
+               if old[0] is not new[0] or old[1] != new[1]]
+    assert changed == [] and _ledger.entries() == [] and type(c10d) is types.ModuleType
 
 
 def _threads_patching_and_calling(rank, world_size):

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Dict, Tuple
 
+from comm import _ledger
 from comm._env import env_switch
 from comm.translate import calls, cuda
 from comm.translate.core import cuda_present, forget_target, target_type, translated_device
@@ -33,10 +33,8 @@ from comm.translate.core import cuda_present, forget_target, target_type, transl
 __all__ = ["cuda_present", "install", "is_installed", "target_type", "translated_device", "uninstall"]
 
 _LOCK = threading.RLock()
-# Marks an attribute a class only inherited: unpatching deletes it again.
-_ABSENT = object()
-# (id(owner), attribute) -> (owner, attribute, torch's original or _ABSENT).
-_ORIGINALS: Dict[Tuple[int, str], Tuple[Any, str, Any]] = {}
+# Who holds the translation's replacements in comm's ledger (comm._ledger).
+_BY = "comm.translate"
 
 
 def install() -> bool:
@@ -46,50 +44,23 @@ def install() -> bool:
     it off. Idempotent.
     """
     with _LOCK:
-        if _ORIGINALS:
+        if is_installed():
             return True
         asked = os.environ.get("COMM_TRANSLATE", "").strip()  # unset: on
         if (asked and env_switch("COMM_TRANSLATE", "1 or 0 (true/false, yes/no, on/off)") == "off") or cuda_present():
             return False
         for owner, name, replacement in cuda.targets() + calls.targets():
-            replace(owner, name, replacement)
+            _ledger.replace(owner, name, replacement, by=_BY)
         return True
 
 
 def uninstall() -> None:
-    """Put back torch's exact objects. A no-op when nothing is installed."""
+    """Put back torch's exact objects, where they still hold comm's. A no-op when nothing is installed."""
     with _LOCK:
-        for owner, name, original in reversed(list(_ORIGINALS.values())):
-            if isinstance(owner, dict):
-                owner[name] = original
-            elif original is _ABSENT:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-        _ORIGINALS.clear()
+        _ledger.restore(by=_BY)
         cuda.keep_submodules()
         forget_target()
 
 
 def is_installed() -> bool:
-    return bool(_ORIGINALS)
-
-
-def replace(owner: Any, name: str, replacement: Any) -> None:
-    """Set ``owner.name`` to ``replacement``, remembering torch's object (or that a class only inherited it)."""
-    key = (id(owner), name)
-    if key in _ORIGINALS:
-        return
-    if isinstance(owner, type):
-        original = owner.__dict__.get(name, _ABSENT)
-    elif isinstance(owner, dict):
-        original = owner[name]
-    else:
-        original = getattr(owner, name)
-    _ORIGINALS[key] = (owner, name, original)
-    if isinstance(owner, dict):
-        owner[name] = replacement
-    else:
-        setattr(owner, name, replacement)
-
-
+    return bool(_ledger.held(_BY))
