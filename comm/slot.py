@@ -50,7 +50,9 @@ __all__ = ["equip", "existing_groups", "own_types", "ready", "staged_types", "st
 #     slots filled, and the backend in one;
 #   distributed_c10d._world.pg_map: each group's store, which the communicator shares;
 #   distributed_c10d._new_process_group_helper: where c10d creates every group
-#     (GROUP_CREATION, watched by comm.patch());
+#     (GROUP_CREATION). comm.patch() wraps whatever function that attribute holds,
+#     also one a plugin assigns later (torch_npu assigns a full copy of its own), as
+#     c10d's callers look it up in the module at each call (tests/test_patch.py);
 #   Backend._plugins and _DistributedBackendOptions: a plugin's creator, to make its
 #     communicator as c10d makes the group's.
 GROUP_CREATION = ("torch.distributed.distributed_c10d", "_new_process_group_helper")

@@ -195,6 +195,52 @@ def test_groups_created_while_patched():
         assert seen["hccl"] == ["cpu"] and seen["after unpatch"] == []
 
 
+# What real torch_npu replaces at import that comm replaces too, or reads (reality doc, section 2).
+TORCH_NPU_PLACES = [(c10d, "_new_process_group_helper"), (torch.nn.Module, "to"), (torch, "load")] + [
+    (m, n) for m in (dist, c10d) for n in ("gather", "gather_object", "batch_isend_irecv")]
+
+
+def _torch_npus_objects():
+    """What holds each of torch_npu's places now, under comm's wrapper of c10d's group creation if there is one."""
+    held = {(owner.__name__, name): getattr(owner, name) for owner, name in TORCH_NPU_PLACES}
+    helper = held[(c10d.__name__, "_new_process_group_helper")]
+    held[(c10d.__name__, "_new_process_group_helper")] = getattr(helper, "__comm_replaces__", helper)
+    return held
+
+
+def _torch_npu_before_or_after_comm(rank, world_size, order):
+    """torch_npu's import-time patches before comm.patch() (autoload) or after it: every new group equipped."""
+    if order == "after":
+        comm.patch()
+        comm.testing.apply_torch_npu_patches()  # import torch_npu under TORCH_DEVICE_BACKEND_AUTOLOAD=0
+    theirs = _torch_npus_objects()
+    comm.patch()  # again after torch_npu (a no-op), or for the first time
+    helper = theirs[(c10d.__name__, "_new_process_group_helper")]
+    seen = {"their helper": helper.__module__ == "torch_npu._compat.distributed",
+            "gather without group_dst": "group_dst" not in inspect.signature(dist.gather).parameters}
+    groups = [dist.new_group([0, 1], backend="hccl"), dist.new_group([0, 1], backend="hccl")]
+    seen["equipped"] = [sorted(comm.staged_types(group)) for group in [None, *groups]]
+    values = []
+    for group in [None, *groups]:
+        value = torch.full((2,), float(rank + 1))
+        dist.all_reduce(value, group=group)  # torch's own call, CPU tensor, hccl group
+        values.append(value.tolist())
+    seen["values"] = values
+    comm.unpatch()
+    seen["theirs left"] = sorted(key for key, obj in _torch_npus_objects().items() if obj is not theirs[key])
+    seen["after unpatch"] = sorted(comm.staged_types(dist.new_group([0, 1], backend="hccl")))
+    return seen
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_torch_npus_patches_before_or_after_comm_patch_leave_every_new_group_equipped(order):
+    simulate = {**NPU, "torch_npu_patches": order == "before"}
+    for seen in run_ranks(_torch_npu_before_or_after_comm, 2, backend="hccl", simulate=simulate, args=(order,)):
+        assert seen["their helper"] and seen["gather without group_dst"]
+        assert seen["equipped"] == [["cpu"]] * 3 and seen["values"] == [[3.0, 3.0]] * 3
+        assert seen["theirs left"] == [] and seen["after unpatch"] == []
+
+
 def _python(code, **env):
     import os
 

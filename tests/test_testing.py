@@ -130,12 +130,61 @@ def test_setup_is_idempotent_and_exclusive():
         ({"name": "NPU"}, "name must be a lower-case identifier"),
         ({"backend": "gloo"}, "backend 'gloo' is already registered"),
         ({"device_count": 0}, "device_count must be a positive int"),
+        ({"name": "foo", "backend": "foob", "torch_npu_patches": True}, "True only for 'npu'"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_changes(kwargs, message):
     with pytest.raises(ValueError, match=message):
         comm.testing.simulate_accelerator(**kwargs)
     assert torch._C._get_privateuse1_backend_name() == "privateuseone"
+
+
+def test_torch_npu_patches_need_the_simulated_npu():
+    with pytest.raises(RuntimeError, match="needs the simulated NPU"):
+        comm.testing.apply_torch_npu_patches()
+
+
+def _torch_npus_patches_work(rank, world_size):
+    """After comm.patch(), as at a late ``import torch_npu``: torch_npu's objects in place, none of them comm's."""
+    import io
+
+    import torch.distributed as dist
+
+    comm.patch()
+    comm.testing.apply_torch_npu_patches()
+    comm.testing.apply_torch_npu_patches()  # once per process: nothing more
+    c10d = dist.distributed_c10d
+    placed = [dist.gather, c10d.gather, dist.gather_object, dist.batch_isend_irecv, torch.nn.Module.to, torch.load]
+    seen = {"not comm's": not any(hasattr(obj, "__wrapped__") for obj in placed),
+            "aliased": dist.gather is c10d.gather and dist.batch_isend_irecv is c10d.batch_isend_irecv}
+    gathered = [torch.zeros(2) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(torch.full((2,), float(rank)), gathered, dst=0)  # CPU tensors on the hccl group: staged
+    seen["gather"] = None if gathered is None else [t.tolist() for t in gathered]
+    objects = [None] * world_size if rank == 0 else None
+    dist.gather_object(rank * 10, objects, dst=0)
+    seen["gather_object"] = objects
+    received = torch.zeros(2)
+    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank + 1)), 1 - rank),
+           dist.P2POp(dist.irecv, received, 1 - rank)]
+    for work in dist.batch_isend_irecv(ops):  # CPU: one op at a time, as torch_npu issues them
+        work.wait()
+    seen["batch"] = received.tolist()
+    seen["module.to"] = str(next(torch.nn.Linear(2, 2).to(f"npu:{rank}").parameters()).device)
+    buffer = io.BytesIO()
+    torch.save(torch.ones(2), buffer)
+    buffer.seek(0)
+    seen["load"] = torch.load(buffer).tolist()
+    comm.unpatch()
+    return seen
+
+
+def test_torch_npus_patches_replace_torchs_objects_with_their_own():
+    for rank, seen in enumerate(run_ranks(_torch_npus_patches_work, 2, backend="hccl", simulate=NPU)):
+        assert seen["not comm's"] and seen["aliased"]
+        assert seen["gather"] == ([[0.0, 0.0], [1.0, 1.0]] if rank == 0 else None)
+        assert seen["gather_object"] == ([0, 10] if rank == 0 else None)
+        assert seen["batch"] == [2.0 - rank] * 2
+        assert seen["module.to"] == f"npu:{rank}" and seen["load"] == [1.0, 1.0]
 
 
 def test_without_a_compiler_it_is_refused_with_the_reason(tmp_path, monkeypatch):

@@ -42,12 +42,12 @@ from comm.testing import _device, _process_group, _torch_npu
 from comm.testing._device import FAILURE_MODES, counters, fail_next, reset_counters
 
 __all__ = [
-    "FAILURE_MODES", "can_simulate", "counters", "fail_next", "offloaded", "reset_counters", "simulate_accelerator",
-    "simulate_from_environment", "simulated_accelerator",
+    "FAILURE_MODES", "apply_torch_npu_patches", "can_simulate", "counters", "fail_next", "offloaded",
+    "reset_counters", "simulate_accelerator", "simulate_from_environment", "simulated_accelerator",
 ]
 
 _LOCK = threading.Lock()
-_ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any]]] = None
+_ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any], bool]] = None
 
 
 def can_simulate() -> bool:
@@ -66,11 +66,15 @@ def simulate_accelerator(
     backend: str = "hccl",
     device_count: int = 8,
     unsupported_ops: Iterable[dist.ReduceOp.RedOpType] = (),
+    torch_npu_patches: bool = False,
 ) -> None:
     """Set up a simulated accelerator ``name`` with collective backend ``backend`` in this process.
 
     ``unsupported_ops`` lists reduce ops the backend rejects (``ReduceOp.AVG`` on
-    some HCCL parts), to exercise capability gaps. PrivateUse1 can be claimed once
+    some HCCL parts), to exercise capability gaps. ``torch_npu_patches`` (``npu``
+    only) replaces in torch what real torch_npu replaces at import, as real
+    torch_npu's autoload does inside ``import torch``: see
+    :func:`apply_torch_npu_patches`. PrivateUse1 can be claimed once
     per process: a second call with the same arguments does nothing, and any other
     second call, a call after a real plugin such as ``torch_npu`` was imported, or a
     call where :func:`can_simulate` is False raises ``RuntimeError``. The first call
@@ -79,8 +83,11 @@ def simulate_accelerator(
     """
     global _ACTIVE
     _check_arguments(name, backend, device_count)
+    if not isinstance(torch_npu_patches, bool) or (torch_npu_patches and name != "npu"):
+        raise ValueError(f"torch_npu_patches must be a bool, and True only for 'npu', got {torch_npu_patches!r} "
+                         f"for {name!r}")
     ops = frozenset(unsupported_ops)
-    wanted = (name, backend, device_count, ops)
+    wanted = (name, backend, device_count, ops, torch_npu_patches)
     with _LOCK:
         if _ACTIVE == wanted:
             return
@@ -96,7 +103,26 @@ def simulate_accelerator(
         _process_group.register_backend(backend, name, ops)
         if name == "npu":
             _torch_npu.install()
+        if torch_npu_patches:
+            _torch_npu.apply_patches()
         _ACTIVE = wanted
+
+
+def apply_torch_npu_patches() -> None:
+    """Replace in torch, now, what real torch_npu replaces at import, as it does; once per process.
+
+    Real torch_npu puts objects of its own (not wrappers of what is there) in
+    place of c10d's group-creation helper (a full copy of it), ``gather`` (one
+    without ``group_dst``), ``batch_isend_irecv``, ``gather_object``,
+    ``nn.Module.to`` and ``torch.load``. It does so inside ``import torch``
+    (autoload: before comm, as ``simulate_accelerator(torch_npu_patches=True)``
+    does), or at ``import torch_npu`` under ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``,
+    which may come after ``comm.patch()``: call this there. Needs the simulated
+    NPU (``simulate_accelerator("npu", ...)``) set up first.
+    """
+    if simulated_accelerator() != "npu":
+        raise RuntimeError("apply_torch_npu_patches() needs the simulated NPU: call simulate_accelerator('npu') first")
+    _torch_npu.apply_patches()
 
 
 def simulate_from_environment() -> None:

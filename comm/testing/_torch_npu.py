@@ -8,20 +8,30 @@ module spec (``find_spec`` returns it, as for any imported module), a ``__file__
 (DeepSpeed's op builders look beside it), ``npu_fusion_attention`` (transformers'
 attention on Ascend) and, as CANN's ``set_env.sh`` does, ``ASCEND_HOME_PATH``
 (DeepSpeed reads it).
+
+:func:`apply_patches` (opt-in) also replaces in torch what real torch_npu replaces
+at import, as it does: its own objects where torch's were, not wrappers of whatever
+stands there (comm's stand-ins included).
 """
 
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import inspect
 import os
 import sys
+import threading
 import types
-from typing import Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["install"]
+__all__ = ["apply_patches", "install"]
+
+_LOCK = threading.Lock()
+_applied = False
 
 
 def install() -> bool:
@@ -43,6 +53,88 @@ def install() -> bool:
     # CANN's set_env.sh exports the toolkit's folder; this one exists (the simulated toolkit has nothing in it).
     os.environ.setdefault("ASCEND_HOME_PATH", os.path.dirname(__file__))
     return True
+
+
+def apply_patches() -> None:
+    """Replace in torch what torch_npu 2.13.0 replaces at import, as it does; once per process.
+
+    Real torch_npu does this inside ``import torch`` (autoload), so before comm, or at
+    a later ``import torch_npu`` where ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``, so possibly
+    after ``comm.patch()``: call this where the test needs it. Each object put in
+    place is a function of its own that calls torch's function (found under any
+    stand-in that names what it wraps, as ``functools.wraps`` does), never the stand-in:
+    what was in place is lost, as with the real one. What is replaced, with where
+    torch_npu does it (../shared/reference/torch-npu-reality.md, section 2):
+
+    * ``distributed_c10d._new_process_group_helper``: a full copy of torch's
+      (2.13 ``_compat/distributed.py:205-529``; 2.9.1 ``distributed/distributed_c10d.py:409-711``);
+    * ``gather`` in ``torch.distributed`` and ``distributed_c10d``: one without ``group_dst``
+      (2.13 ``distributed/distributed_c10d.py:137``, aliased at ``_init/patches/distributed_patches.py:19-56``);
+    * ``batch_isend_irecv`` and ``gather_object`` there too (the same lines): CPU tensors' ops issued one
+      by one, with no coalescing manager;
+    * ``torch.nn.Module.to`` (2.13 ``utils/_module.py:285``) and ``torch.load`` (``utils/serialization.py:661``).
+    """
+    global _applied
+    with _LOCK:
+        if _applied:
+            return
+        for owner, name, value in _patches():
+            setattr(owner, name, value)
+        _applied = True
+
+
+def _torchs(function: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's own function under any stand-ins (comm's, a profile's) that name what they wrap."""
+    unwrapped: Callable[..., Any] = inspect.unwrap(function)
+    return unwrapped
+
+
+def _patches() -> List[Tuple[Any, str, Any]]:
+    """torch_npu's objects, each calling torch's own function as it stands now."""
+    c10d = dist.distributed_c10d
+    helper = _torchs(c10d._new_process_group_helper)
+    # A copy as torch_npu's is: torch's body (here its very code) in a function object of its own.
+    copy = types.FunctionType(helper.__code__, helper.__globals__, helper.__name__, helper.__defaults__,
+                              helper.__closure__)
+    copy.__kwdefaults__, copy.__doc__ = helper.__kwdefaults__, helper.__doc__
+    copy.__module__ = "torch_npu._compat.distributed"
+    torch_gather, torch_all_gather_object = _torchs(c10d.gather), _torchs(c10d.all_gather_object)
+    torch_batch, torch_module_to, torch_load = _torchs(c10d.batch_isend_irecv), _torchs(torch.nn.Module.to), \
+        _torchs(torch.load)
+
+    def _gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: int = 0,
+                group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Any:
+        """torch_npu's gather: no ``group_dst`` (2.13 ``distributed/distributed_c10d.py:137``)."""
+        return torch_gather(tensor, gather_list, dst, group, async_op)
+
+    def _gather_object(obj: Any, object_gather_list: Optional[List[Any]] = None, dst: int = 0,
+                       group: Optional[dist.ProcessGroup] = None) -> None:
+        """torch_npu's gather_object, which torch's cannot stand for: torch's calls ``gather`` with ``group_dst``.
+
+        Here every rank gathers and ``dst`` keeps the list (the real one sends to ``dst`` only).
+        """
+        everyone: List[Any] = [None] * dist.get_world_size(group)
+        torch_all_gather_object(everyone, obj, group)
+        if object_gather_list is not None and dist.get_rank() == dst:
+            object_gather_list[:] = everyone
+
+    def _batch_isend_irecv(p2p_op_list: List[dist.P2POp]) -> Any:
+        """CPU tensors: each op on its own, no coalescing manager (torch_npu's ``_batch_isend_irecv``)."""
+        if p2p_op_list and p2p_op_list[0].tensor.device.type == "cpu":
+            return [p2p.op(p2p.tensor, p2p.peer, p2p.group, p2p.tag) for p2p in p2p_op_list]
+        return torch_batch(p2p_op_list)
+
+    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return torch_module_to(self, *args, **kwargs)
+
+    def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return torch_load(f, map_location, *args, **kwargs)
+
+    found: List[Tuple[Any, str, Any]] = [(c10d, "_new_process_group_helper", copy)]
+    for module in (dist, c10d):
+        found += [(module, "gather", _gather), (module, "gather_object", _gather_object),
+                  (module, "batch_isend_irecv", _batch_isend_irecv)]
+    return found + [(torch.nn.Module, "to", to), (torch, "load", load)]
 
 
 # npu_fusion_attention's layouts: where batch (B), heads (N), sequence (S) and head size (D) lie.
