@@ -32,7 +32,6 @@ from typing import Any, Callable, Dict, Optional, Tuple, Type
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from torch.distributed.distributed_c10d import _world
 
 from comm import _ledger, collectives, observability
 from comm._env import env_switch
@@ -67,7 +66,7 @@ def _a_tensor(name: str, arguments: Dict[str, Any]) -> Optional[torch.Tensor]:
 def _group_size(name: str, arguments: Dict[str, Any]) -> int:
     group: Any = arguments["p2p_op_list"][0].group if name == "batch_isend_irecv" else arguments.get("group")
     if group is None:
-        group = _world._default_pg
+        group = dist.group.WORLD
     return int(group.size())
 
 

@@ -44,7 +44,8 @@ __all__ = ["equip", "existing_groups", "own_types", "ready", "staged_types", "st
            "unavailable_reason"]
 
 # torch's private names this module uses, each because no public API does the job
-# (tests/test_slot.py fails loudly when a release renames one):
+# (comm/_torch_private.py lists every private name comm uses; tests/test_torch_private.py
+# fails loudly when a release renames one):
 #   ProcessGroup._register_backend, _set_group_name, _device_types, _get_backend: the
 #     per-device slot itself, the name c10d reads from a group's first backend, the
 #     slots filled, and the backend in one;

@@ -1,0 +1,64 @@
+"""Every private torch name comm uses, each with why no public API does the job.
+
+torch may rename or remove a private name in any release. Keeping them in one table
+means a newcomer sees the whole dependency at once, and ``tests/test_torch_private.py``
+fails loudly, naming the entry, on a release where one no longer resolves, or where
+comm's code starts using a private name this table does not list.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+__all__ = ["PRIVATE_NAMES"]
+
+# Dotted path (the module part importable) -> why comm needs it.
+PRIVATE_NAMES: Dict[str, str] = {
+    # The per-device slot of a process group (comm/slot.py): c10d has no public API to add
+    # a backend for one device type to a group that exists.
+    "torch.distributed.ProcessGroup._register_backend":
+        "puts comm's staging backend in the slot of a device type the group's backend leaves empty",
+    "torch.distributed.ProcessGroup._get_backend":
+        "the group's own backend for a device type: its name, options and split",
+    "torch.distributed.ProcessGroup._device_types":
+        "which device types a group's slots already serve",
+    "torch.distributed.ProcessGroup._set_group_name":
+        "c10d reads a group's name from its first backend; comm's must carry it",
+    "torch.distributed.distributed_c10d._world":
+        "pg_map: every group that exists, and the store each was made with (comm's communicator shares it)",
+    "torch.distributed.distributed_c10d._new_process_group_helper":
+        "where c10d creates every group: comm.patch() equips each new one there",
+    "torch.distributed.distributed_c10d._DistributedBackendOptions":
+        "the arguments a plugin's creator takes, to make a communicator as c10d makes the group's",
+    "torch.distributed.Backend._plugins":
+        "a plugin backend's creator (hccl, xccl), to make comm's communicator of the group's kind",
+    "torch.distributed.distributed_c10d.Work._source_rank":
+        "the rank an any-source recv received from, which dist.recv returns",
+    # The device translation (comm/translate/).
+    "torch._C._get_privateuse1_backend_name":
+        "the name a plugin gave the PrivateUse1 device (npu, ...), without importing the plugin",
+    "torch._C.TensorBase":
+        "Tensor.to and pin_memory beneath torch.Tensor's, which the translation replaces",
+    "torch._C._VariableFunctions":
+        "every torch factory function, to find those taking device= from their schemas",
+    "torch._C._jit_get_schemas_for_operator":
+        "an operator's schemas: which factories take a device argument",
+    "torch.jit._builtins._register_builtin":
+        "TorchScript must still see a translated factory as the aten operator it stands for",
+    # comm.clip_grad_norm_ (comm/norm.py): the kernels torch's own clip_grad_norm_ uses,
+    # so comm's norms are bitwise torch's.
+    "torch._foreach_norm": "per-tensor norms in one kernel, as torch's clip_grad_norm_ takes them",
+    "torch._foreach_mul_": "scales gradients in one kernel, as torch's clip_grad_norm_ does",
+    "torch.utils._foreach_utils._device_has_foreach_support":
+        "whether a device has foreach kernels, the test torch's clip_grad_norm_ makes",
+    # The simulated NPU (comm/testing/), for tests only.
+    "torch._register_device_module": "makes torch.npu (the simulated device's module) as torch_npu does",
+    "torch._C._dispatch_has_kernel_for_dispatch_key":
+        "which operators the simulated device lacks a kernel for, to run them on the host",
+    "torch._C._dispatch_get_all_op_names": "every operator, to find those the simulated device lacks",
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec":
+        "comm.testing.offloaded builds a DTensor whose local shard stays on the CPU while its mesh is on the "
+        "device, as FSDP2 with CPU offload presents gradients; DTensor.from_local would move the shard (with "
+        "DTensor._local_tensor, the shard itself)",
+    "torch.distributed.tensor._dtensor_spec.TensorMeta": "the shape, stride and dtype a DTensorSpec carries",
+}
