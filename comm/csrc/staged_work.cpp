@@ -1,6 +1,4 @@
 // The work of a staged call, and the write-back that completes it.
-#include <chrono>
-
 #include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
 
@@ -10,36 +8,22 @@ namespace comm_native {
 
 namespace {
 
-std::mutex tallyMutex;
-std::map<std::string, Tally>& tallyTable() {
-  static std::map<std::string, Tally> table;
-  return table;
-}
+class DoneWork final : public c10d::Work {
+ public:
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    future->markCompleted(c10::IValue(Tensors{}));
+    return future;
+  }
+};
 
 } // namespace
 
-void tally(const std::string& name, const Tally& more) {
-  std::lock_guard<std::mutex> lock(tallyMutex);
-  auto& entry = tallyTable()[name];
-  entry.calls += more.calls;
-  entry.transfers += more.transfers;
-  entry.bytes += more.bytes;
-  entry.nanoseconds += more.nanoseconds;
-}
-
-std::map<std::string, Tally> tallies() {
-  std::lock_guard<std::mutex> lock(tallyMutex);
-  return tallyTable();
-}
-
-void resetTallies() {
-  std::lock_guard<std::mutex> lock(tallyMutex);
-  tallyTable().clear();
-}
-
-int64_t nowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+WorkPtr doneWork() {
+  return c10::make_intrusive<DoneWork>();
 }
 
 WriteBack::WriteBack(std::string name, std::string what, std::vector<Piece> pieces, Tensors results,
@@ -76,14 +60,14 @@ void WriteBack::write() {
   });
 }
 
-void rethrowStaged(const WriteBack& back) {
+void rethrowStaged(const std::string& what) {
   try {
     throw;
   } catch (c10::Error& error) {
-    error.add_context(back.what());
+    error.add_context(what);
     throw;
   } catch (const std::exception& error) {
-    TORCH_CHECK(false, error.what(), "\n", back.what());
+    TORCH_CHECK(false, error.what(), "\n", what);
   }
 }
 
@@ -136,7 +120,7 @@ bool StagedWork::wait(std::chrono::milliseconds timeout) {
     try {
       inner_[i]->wait(timeout);
     } catch (...) {
-      rethrowStaged(*backs_.at(std::min(i, backs_.size() - 1)));
+      rethrowStaged(backs_.at(std::min(i, backs_.size() - 1))->what());
     }
   }
   writeAll();
@@ -162,7 +146,7 @@ c10::intrusive_ptr<c10::ivalue::Future> StagedWork::getFuture() {
         try {
           finished.value(); // rethrows the collective's error into the returned future
         } catch (...) {
-          rethrowStaged(*backs.front());
+          rethrowStaged(backs.front()->what());
         }
         Tensors callers;
         for (const auto& back : backs) {
