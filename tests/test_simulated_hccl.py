@@ -150,6 +150,6 @@ def test_premul_sum_scales_then_sums(rules):
 
 def test_lenient_runs_what_gloo_runs():
     """lenient=True: the old simulation, every call as gloo runs it (for code written against it)."""
-    for rank, seen in enumerate(run_ranks(_lenient, 2, backend="hccl", simulate=dict(NPU, lenient=True))):
+    for seen in run_ranks(_lenient, 2, backend="hccl", simulate=dict(NPU, lenient=True)):
         assert seen["float64"] == [3.0, 4.0] and seen["band"] == [0, 1]
         assert "PREMUL_SUM" in seen["premul_sum"]

@@ -29,7 +29,7 @@ def create_backend(
     unsupported_ops: FrozenSet[dist.ReduceOp.RedOpType],
     lenient: bool = False,
 ) -> Any:
-    """A simulated backend for one group: gloo underneath, ``backend_name`` on top, by HCCL's rules unless ``lenient``."""
+    """A simulated backend for one group: gloo underneath, ``backend_name`` on top (HCCL's rules unless ``lenient``)."""
     host = dist.ProcessGroupGloo(store, rank, size, timeout)
     refused = {int(op.value): op.name for op in unsupported_ops}
     return SIMULATED.load().make_backend(host, backend_name, refused, lenient)
