@@ -31,14 +31,16 @@ WorkPtr StagingBackend::broadcast(Tensors& tensors, const c10d::BroadcastOptions
 }
 
 WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
+  Reduction reduction{"allreduce", tensors};
   return stage("all_reduce", c10d::OpType::ALLREDUCE, [&](StagedCall& call) {
     auto copies = call.inOut(tensors);
     auto options = reducing(call, opts, copies);
     return call.communicator().allreduce(copies, options);
-  });
+  }, &reduction);
 }
 
 WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  Reduction reduction{"allreduce_coalesced", tensors};
   return stage("all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, [&](StagedCall& call) {
     if (StagedCall::flattens(tensors)) { // one flat buffer: one transfer each way, one all-reduce
       Tensors copies{call.flat(tensors, /*reads=*/true)};
@@ -48,16 +50,17 @@ WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::Allred
     auto copies = call.inOut(tensors);
     auto options = reducing(call, opts, copies);
     return call.communicator().allreduce_coalesced(copies, options);
-  });
+  }, &reduction);
 }
 
 WorkPtr StagingBackend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts) {
+  Reduction reduction{"reduce", tensors};
   return stage("reduce", c10d::OpType::REDUCE, [&](StagedCall& call) {
     // Only the destination's tensors are written.
     auto copies = getRank() == opts.rootRank ? call.inOut(tensors) : call.inReported(tensors);
     auto options = reducing(call, opts, copies);
     return call.communicator().reduce(copies, options);
-  });
+  }, &reduction);
 }
 
 WorkPtr StagingBackend::allgather(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
@@ -77,10 +80,19 @@ WorkPtr StagingBackend::_allgather_base(at::Tensor& output, at::Tensor& input, c
 }
 
 WorkPtr StagingBackend::allgather_coalesced(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
+  // One flat gather, as torch's ProcessGroupNCCL runs it too: HCCL has no allgather_coalesced
+  // (torch_npu's ProcessGroupHCCL does not override it), and every backend has _allgather_base.
+  // Rank r's block of the flat output holds its inputs end to end, as outputs[r] lists them.
+  auto outs = flat(outputs);
+  for (const auto& tensor : outs) {
+    TORCH_CHECK(tensor.scalar_type() == inputs.at(0).scalar_type(),
+                "all_gather_coalesced needs one dtype for every tensor; got ", inputs.at(0).scalar_type(), " and ",
+                tensor.scalar_type());
+  }
   return stage("all_gather_coalesced", c10d::OpType::ALLGATHER_COALESCED, [&](StagedCall& call) {
-    auto in = call.in(inputs);
-    auto out = call.out(outputs);
-    return call.communicator().allgather_coalesced(out, in, opts);
+    auto in = call.inFlat(inputs);
+    auto out = call.flat(outs, /*reads=*/false);
+    return call.communicator()._allgather_base(out, in, opts);
   });
 }
 
@@ -110,32 +122,35 @@ WorkPtr StagingBackend::scatter(Tensors& outputs, TensorLists& inputs, const c10
 }
 
 WorkPtr StagingBackend::reduce_scatter(Tensors& outputs, TensorLists& inputs, const c10d::ReduceScatterOptions& opts) {
+  Reduction reduction{"reduce_scatter", outputs};
   return stage("reduce_scatter", c10d::OpType::REDUCE_SCATTER, [&](StagedCall& call) {
     auto in = call.in(inputs);
     auto out = call.out(outputs);
     auto options = reducing(call, opts, flat(in));
     return call.communicator().reduce_scatter(out, in, options);
-  });
+  }, &reduction);
 }
 
 WorkPtr StagingBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                              const c10d::ReduceScatterOptions& opts) {
+  Reduction reduction{"_reduce_scatter_base", {output, input}};
   return stage("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, [&](StagedCall& call) {
     auto in = call.in(input);
     auto out = call.out(output);
     auto options = reducing(call, opts, {in});
     return call.communicator()._reduce_scatter_base(out, in, options);
-  });
+  }, &reduction);
 }
 
 WorkPtr StagingBackend::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                                         const c10d::ReduceScatterOptions& opts) {
+  Reduction reduction{"reduce_scatter_tensor_coalesced", inputs};
   return stage("reduce_scatter_tensor_coalesced", comm_releases::kReduceScatterTensorCoalesced, [&](StagedCall& call) {
     auto in = call.in(inputs);
     auto out = call.out(outputs);
     auto options = reducing(call, opts, in);
     return call.communicator().reduce_scatter_tensor_coalesced(out, in, options);
-  });
+  }, &reduction);
 }
 
 WorkPtr StagingBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
@@ -171,10 +186,14 @@ WorkPtr StagingBackend::recv(Tensors& tensors, int src, int tag) {
 
 WorkPtr StagingBackend::recvAnysource(Tensors& tensors, int tag) {
   return stage("recv", c10d::OpType::RECVANYSOURCE, [&](StagedCall& call) {
-    auto out = call.out(tensors);
+    // Of c10d's backends only gloo and mpi receive from any source; nccl refuses, so does
+    // torch_npu's hccl ("ProcessGroupHCCL does not support recv", ProcessGroupHCCL.cpp:6988-6992).
     auto& comm = call.communicator();
-    TORCH_CHECK(comm.getBackendName() != "nccl", "a receive from any source (src=None) cannot be staged onto ",
-                target().str(), ": the group's backend there, nccl, cannot receive from any source; name the sender");
+    auto backend = comm.getBackendName();
+    TORCH_CHECK(backend == "gloo" || backend == "mpi", "a receive from any source (src=None) cannot be staged onto ",
+                target().str(), ": the group's backend there, ", backend,
+                ", cannot receive from any source; name the sender");
+    auto out = call.out(tensors);
     return comm.recvAnysource(out, tag);
   });
 }

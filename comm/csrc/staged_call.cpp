@@ -115,6 +115,10 @@ at::Tensor StagedCall::flat(const Tensors& list, bool reads) {
   return staged;
 }
 
+at::Tensor StagedCall::inFlat(const Tensors& list) {
+  return in(joined(list));
+}
+
 bool StagedCall::flattens(const Tensors& list) {
   if (list.size() < 2) return false;
   for (const auto& tensor : list) {
@@ -125,7 +129,20 @@ bool StagedCall::flattens(const Tensors& list) {
 
 c10d::ReduceOp StagedCall::reduceOp(const c10d::ReduceOp& op, const Tensors& inputs) {
   if (op.op_ == c10d::ReduceOp::AVG) {
-    for (const auto& tensor : inputs) at::empty({0}, tensor.options()).div_(2); // torch's error for integers
+    for (const auto& tensor : inputs) {
+      if (!at::isIntegralType(tensor.scalar_type(), /*includeBool=*/true)) continue;
+      auto backend = communicator_.getBackendName();
+      // NCCL averages integers itself (torch's ProcessGroupNCCL.cpp maps AVG to ncclAvg for every
+      // type but bool, which it refuses with its own message).
+      if (backend == "nccl") return op;
+      // gloo and HCCL divide in floating point (ProcessGroupGloo, and torch_npu's
+      // ProcessGroupHCCL.cpp:4808-4816, which truncates only on Ascend950), where an integer
+      // tensor fails: "result type Float can't be cast to the desired output type Long".
+      TORCH_CHECK(false, "ReduceOp.AVG of ", tensor.scalar_type(), " tensors cannot be staged onto ", target_.str(),
+                  ": the group's backend there, ", backend,
+                  ", cannot average integers (result type Float can't be cast to the desired output type ",
+                  tensor.scalar_type(), "); reduce with SUM and divide");
+    }
     divisor_ = groupSize_;
     return c10d::ReduceOp(c10d::ReduceOp::SUM);
   }

@@ -41,8 +41,9 @@ void WriteBack::write() {
       if (divisor_ != 1) piece.staged.div_(divisor_);
       copied.transfers += 1;
       copied.bytes += static_cast<int64_t>(piece.staged.nbytes());
-      if (piece.callers.size() == 1) {
-        piece.callers.front().copy_(piece.staged);
+      if (piece.callers.size() == 1) { // its copy, or a flat buffer of one tensor
+        auto& caller = piece.callers.front();
+        caller.copy_(piece.staged.sizes() == caller.sizes() ? piece.staged : piece.staged.reshape(caller.sizes()));
         continue;
       }
       // A list: its flat buffer comes back in one transfer, then each tensor takes its part.

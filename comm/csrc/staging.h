@@ -140,6 +140,8 @@ class StagedCall {
   Tensors inOut(const Tensors& list);
   // A list as one flat buffer, for a call that runs on it whole; `reads`: copied in too.
   at::Tensor flat(const Tensors& list, bool reads);
+  // A copy of a list as one flat tensor the collective only reads.
+  at::Tensor inFlat(const Tensors& list);
 
   // Whether a list can travel as one flat buffer: several tensors of one dtype on one device.
   static bool flattens(const Tensors& list);
@@ -147,7 +149,8 @@ class StagedCall {
   // The reduce op to run on `inputs` (the copies the collective reads): ReduceOp.AVG
   // becomes SUM, divided at the write-back; PREMUL_SUM becomes SUM of the copies
   // scaled first. Backends lack both (gloo has no PREMUL_SUM, some HCCL and XCCL parts
-  // no AVG), and the copies are comm's to scale.
+  // no AVG), and the copies are comm's to scale. An integer AVG goes to a communicator
+  // that averages integers itself (nccl), and is refused elsewhere.
   c10d::ReduceOp reduceOp(const c10d::ReduceOp& op, const Tensors& inputs);
   c10d::ReduceOp reduceOp(const c10d::ReduceOp& op, const at::Tensor& input) { return reduceOp(op, Tensors{input}); }
 
@@ -179,7 +182,10 @@ class StagedCall {
 // ---- staging_backend.cpp and calls.cpp: the backend.
 class StagingBackend final : public c10d::Backend {
  public:
-  StagingBackend(int rank, int size, at::Device target, CommunicatorFactory factory);
+  // `cpuFactory` (may be empty): makes a gloo communicator over the group's store, for
+  // CPU reductions of dtypes the group's backend cannot reduce (made at the first one).
+  StagingBackend(int rank, int size, at::Device target, CommunicatorFactory factory,
+                 CommunicatorFactory cpuFactory = nullptr);
   StagingBackend(int rank, int size, at::Device target, BackendPtr communicator);
 
   const std::string getBackendName() const override { return "comm"; }
@@ -191,6 +197,9 @@ class StagingBackend final : public c10d::Backend {
   WorkPtr endCoalescing() override;
   BackendPtr split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
                    const c10::intrusive_ptr<Options>& opts) override;
+  // Forwarded to comm's communicators (c10d's abort and destroy_process_group reach them).
+  void abort() override;
+  void shutdown() override;
 
   // calls.cpp
   WorkPtr broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) override;
@@ -220,23 +229,40 @@ class StagingBackend final : public c10d::Backend {
   at::Device target() const;
 
  private:
+  // A reduction's facts that decide where it runs: its c10d function (the group's
+  // backend may accept a dtype in one function and not another) and its tensors.
+  struct Reduction {
+    const char* function;
+    Tensors tensors;
+  };
   // The four steps of every staged call: `run` copies the caller's tensors in (onto the
   // call's target) and calls the communicator on the copies; its work comes back
-  // wrapped, writing back when it completes (or kept for endCoalescing's work).
-  WorkPtr stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run);
+  // wrapped, writing back when it completes (or kept for endCoalescing's work). A
+  // `reduction` of a dtype the group's backend cannot reduce runs on the CPU
+  // communicator, or is refused before anything is copied.
+  WorkPtr stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run,
+                const Reduction* reduction = nullptr);
   // The communicator staged calls run on, made at the first one; fixes the target then.
   c10d::Backend& communicator();
+  // The gloo communicator for CPU reductions the group's backend cannot run; made at the first.
+  c10d::Backend& cpuCommunicator();
+  // The communicators made so far.
+  std::vector<BackendPtr> communicators() const;
 
   // Guards every field below: staged calls come from any thread (dcp.async_save's too).
   mutable std::mutex mutex_;
   at::Device target_;
   CommunicatorFactory factory_;
   BackendPtr communicator_;
+  CommunicatorFactory cpuFactory_;
+  BackendPtr cpuCommunicator_;
   std::chrono::milliseconds timeout_;
-  // Between startCoalescing and endCoalescing: the works and write-backs issued so far.
+  // Between startCoalescing and endCoalescing: the works and write-backs issued so far;
+  // works of calls that ran on the CPU communicator, outside the communicator's block, apart.
   bool coalescing_ = false;
   bool communicatorCoalesces_ = false;
   std::vector<WorkPtr> coalescedWorks_;
+  std::vector<WorkPtr> coalescedCpuWorks_;
   std::vector<std::shared_ptr<WriteBack>> coalescedBacks_;
 };
 

@@ -1,5 +1,7 @@
 // The staging backend itself: its communicator and target device, made and fixed at the
 // first staged call; the four steps every call goes through; coalescing blocks; split.
+#include <algorithm>
+
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -7,8 +9,10 @@
 
 namespace comm_native {
 
-StagingBackend::StagingBackend(int rank, int size, at::Device target, CommunicatorFactory factory)
-    : Backend(rank, size), target_(target), factory_(std::move(factory)), timeout_(kBackendDefaultTimeout) {}
+StagingBackend::StagingBackend(int rank, int size, at::Device target, CommunicatorFactory factory,
+                               CommunicatorFactory cpuFactory)
+    : Backend(rank, size), target_(target), factory_(std::move(factory)), cpuFactory_(std::move(cpuFactory)),
+      timeout_(kBackendDefaultTimeout) {}
 
 StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr communicator)
     : Backend(rank, size), target_(target), communicator_(std::move(communicator)),
@@ -35,6 +39,58 @@ c10d::Backend& StagingBackend::communicator() {
   return *communicator_;
 }
 
+c10d::Backend& StagingBackend::cpuCommunicator() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!cpuCommunicator_) {
+    TORCH_CHECK(cpuFactory_, "comm's staging backend has no CPU communicator");
+    cpuCommunicator_ = cpuFactory_();
+    cpuFactory_ = nullptr;
+    TORCH_CHECK(cpuCommunicator_, "comm's staging backend: the CPU communicator factory returned nothing");
+    cpuCommunicator_->setTimeout(timeout_);
+  }
+  return *cpuCommunicator_;
+}
+
+namespace {
+
+// Why `backend` cannot run the reduction `function` on `dtype`, by its sources; empty where it can.
+// HCCL (torch_npu's ProcessGroupHCCL.cpp, checkSupportedDataType, :168-189 on master, :170-184 in
+// 2.9.1) reduces int8/16/32/64, fp16, fp32 and bf16; allreduce, allreduce_coalesced and reduce cast
+// bool and uint8 to int32 first (:4793-4796, 5070, 5153), the reduce-scatters do not.
+std::string unreducible(const std::string& backend, const std::string& function, at::ScalarType dtype) {
+  if (backend != "hccl") return "";
+  bool casts = function == "allreduce" || function == "allreduce_coalesced" || function == "reduce";
+  switch (dtype) {
+    case at::kChar: case at::kShort: case at::kInt: case at::kLong: case at::kHalf: case at::kFloat:
+    case at::kBFloat16:
+      return "";
+    case at::kBool: case at::kByte:
+      if (casts) return "";
+      return "hccl reduces bool and uint8 in all_reduce and reduce only";
+    default:
+      return "hccl reduces int8, int16, int32, int64, float16, float32 and bfloat16 only";
+  }
+}
+
+} // namespace
+
+std::vector<BackendPtr> StagingBackend::communicators() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<BackendPtr> made;
+  for (const auto& comm : {communicator_, cpuCommunicator_}) {
+    if (comm) made.push_back(comm);
+  }
+  return made;
+}
+
+void StagingBackend::abort() {
+  for (auto& comm : communicators()) comm->abort();
+}
+
+void StagingBackend::shutdown() {
+  for (auto& comm : communicators()) comm->shutdown();
+}
+
 c10::intrusive_ptr<c10d::Backend::Options> StagingBackend::getBackendOptions() {
   std::lock_guard<std::mutex> lock(mutex_);
   return c10::make_intrusive<Options>("comm", timeout_);
@@ -44,11 +100,35 @@ void StagingBackend::setTimeout(std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mutex_);
   timeout_ = timeout;
   if (communicator_) communicator_->setTimeout(timeout);
+  if (cpuCommunicator_) cpuCommunicator_->setTimeout(timeout);
 }
 
-WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run) {
-  auto& comm = communicator();
-  StagedCall call(name, target(), getSize(), comm);
+WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run,
+                              const Reduction* reduction) {
+  c10d::Backend* comm = &communicator();
+  auto target = this->target();
+  bool own = true; // on the communicator of the group's kind
+  if (reduction != nullptr) {
+    for (const auto& tensor : reduction->tensors) {
+      auto why = unreducible(comm->getBackendName(), reduction->function, tensor.scalar_type());
+      if (why.empty()) continue;
+      bool onCpu = std::all_of(reduction->tensors.begin(), reduction->tensors.end(),
+                               [](const at::Tensor& t) { return t.device().is_cpu(); });
+      bool hasCpu = false;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        hasCpu = cpuFactory_ || cpuCommunicator_;
+      }
+      // A CPU tensor needs no device: gloo reduces it where it is, in its own dtype.
+      TORCH_CHECK(onCpu && hasCpu, "comm cannot stage ", name, " of ", tensor.scalar_type(), " tensors onto ",
+                  target.str(), ": ", why, "; nothing was copied or written");
+      comm = &cpuCommunicator();
+      target = at::Device(at::kCPU);
+      own = false;
+      break;
+    }
+  }
+  StagedCall call(name, target, getSize(), *comm);
   WorkPtr work;
   try {
     work = run(call); // copy in, call the communicator
@@ -60,8 +140,8 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
   std::lock_guard<std::mutex> lock(mutex_);
   if (coalescing_) {
     coalescedBacks_.push_back(back);
-    if (work) coalescedWorks_.push_back(work);
-    if (communicatorCoalesces_) return doneWork();
+    if (work) (own ? coalescedWorks_ : coalescedCpuWorks_).push_back(work);
+    if (communicatorCoalesces_ && own) return doneWork();
   }
   std::vector<WorkPtr> works;
   if (work) works.push_back(work);
@@ -75,6 +155,7 @@ void StagingBackend::startCoalescing() {
     // A block that raised before its end (torch's coalescing manager then never calls
     // endCoalescing): forget what it issued, and close the communicator's block.
     coalescedWorks_.clear();
+    coalescedCpuWorks_.clear();
     coalescedBacks_.clear();
     if (communicatorCoalesces_) comm.endCoalescing();
   }
@@ -86,6 +167,7 @@ void StagingBackend::startCoalescing() {
 WorkPtr StagingBackend::endCoalescing() {
   auto& comm = communicator();
   std::vector<WorkPtr> works;
+  std::vector<WorkPtr> cpuWorks;
   std::vector<std::shared_ptr<WriteBack>> backs;
   bool coalesces = false;
   {
@@ -94,6 +176,7 @@ WorkPtr StagingBackend::endCoalescing() {
     coalescing_ = false;
     coalesces = communicatorCoalesces_;
     works.swap(coalescedWorks_);
+    cpuWorks.swap(coalescedCpuWorks_);
     backs.swap(coalescedBacks_);
   }
   if (coalesces) {
@@ -103,6 +186,7 @@ WorkPtr StagingBackend::endCoalescing() {
     auto work = comm.endCoalescing();
     if (work) works = {work};
   }
+  works.insert(works.end(), cpuWorks.begin(), cpuWorks.end()); // run outside the communicator's block
   if (backs.empty()) backs.push_back(std::make_shared<WriteBack>("coalesced", "comm staged nothing",
                                                                  std::vector<Piece>{}, Tensors{}, 1));
   return c10::make_intrusive<StagedWork>(std::move(works), std::move(backs), c10d::OpType::COALESCED);
