@@ -29,7 +29,7 @@ import datetime
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, List, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,8 @@ _TYPE = dist.ProcessGroup.BackendType
 _LABELS = (_TYPE.CUSTOM, _TYPE.MPI, _TYPE.UCC)
 _BUILTIN_TYPES = {"gloo": _TYPE.GLOO, "nccl": _TYPE.NCCL, "xccl": _TYPE.XCCL, "ucc": _TYPE.UCC, "mpi": _TYPE.MPI}
 _STORE_PREFIX = "comm-staging"
+# Where the gloo communicator for CPU reductions the group's backend cannot run meets.
+_CPU_STORE_PREFIX = "comm-staging-cpu"
 # Per group: whether ready() has equipped it (False: comm's backend cannot be built here).
 _READY = GroupCache()
 
@@ -93,7 +95,8 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
         native = STAGING.load()
         label = _free_label(pg)
         name = pg.group_name  # c10d reads the name from the first backend by device type: put it back after
-        backend = native.staging_backend(pg.rank(), pg.size(), target, _communicator_factory(pg, target))
+        backend = native.staging_backend(pg.rank(), pg.size(), target, _communicator_factory(pg, target),
+                                         _cpu_communicator_factory(pg, target))
         for device_type in missing:
             pg._register_backend(torch.device(device_type), label, backend)
         pg._set_group_name(name)
@@ -216,14 +219,39 @@ def _communicator_factory(pg: dist.ProcessGroup, target: torch.device) -> Callab
     group = weakref.ref(pg)
 
     def make() -> Any:
-        made = group()
-        if made is None:
-            raise RuntimeError("comm's staging backend outlived its process group")
-        store = c10d.PrefixStore(_STORE_PREFIX, c10d._world.pg_map[made][1])
+        made, store = _group_and_store(group, _STORE_PREFIX)
         ranks = dist.get_process_group_ranks(made)
         return _new_backend(name, store, made.rank(), made.size(), timeout, ranks, f"{made.group_name}:{_STORE_PREFIX}")
 
     return make
+
+
+def _cpu_communicator_factory(pg: dist.ProcessGroup, target: torch.device) -> Optional[Callable[[], Any]]:
+    """A function that makes a gloo communicator over the group's store, or None where staging targets the CPU.
+
+    comm's backend uses it for CPU reductions of dtypes the group's backend cannot
+    reduce (float64 on hccl, a bool reduce-scatter): gloo reduces a CPU tensor where it
+    is, in its own dtype. It is made at the first such call, on every rank alike, as
+    every rank makes the same calls.
+    """
+    if target.type == "cpu":
+        return None
+    timeout = _timeout(pg, target)
+    group = weakref.ref(pg)
+
+    def make() -> Any:
+        made, store = _group_and_store(group, _CPU_STORE_PREFIX)
+        return dist.ProcessGroupGloo(store, made.rank(), made.size(), timeout)
+
+    return make
+
+
+def _group_and_store(group: "weakref.ref[dist.ProcessGroup]", prefix: str) -> Tuple[dist.ProcessGroup, Any]:
+    """The group a communicator factory holds by weak reference, and its store under ``prefix``."""
+    made = group()
+    if made is None:
+        raise RuntimeError("comm's staging backend outlived its process group")
+    return made, c10d.PrefixStore(prefix, c10d._world.pg_map[made][1])
 
 
 def _timeout(pg: dist.ProcessGroup, target: torch.device) -> datetime.timedelta:

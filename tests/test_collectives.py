@@ -275,7 +275,7 @@ def _uneven_and_avg(rank, world_size, force_avg_emulation):
     seen["integers_untouched"] = torch.equal(integers, torch.arange(4))
     seen["emulated"] = force_avg_emulation or dist.get_backend() == "hccl"
     if seen["emulated"]:
-        on_device = values.to(comm.current_device())
+        on_device = values.to(comm.current_device(), torch.float32)  # a dtype HCCL reduces
         seen["torch_avg"] = error_of(functools.partial(dist.all_reduce, on_device, op=ReduceOp.AVG))
     return seen
 

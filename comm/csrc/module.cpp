@@ -9,11 +9,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace comm_native;
   m.def(
       "staging_backend",
-      [](int rank, int size, c10::Device target, CommunicatorFactory factory) -> BackendPtr {
-        return c10::make_intrusive<StagingBackend>(rank, size, target, std::move(factory));
+      [](int rank, int size, c10::Device target, CommunicatorFactory factory,
+         CommunicatorFactory cpuFactory) -> BackendPtr {
+        return c10::make_intrusive<StagingBackend>(rank, size, target, std::move(factory), std::move(cpuFactory));
       },
       pybind11::arg("rank"), pybind11::arg("size"), pybind11::arg("target"), pybind11::arg("communicator"),
-      "A c10d Backend that stages each call onto `target` and runs it on the backend `communicator()` makes.");
+      pybind11::arg("cpu_communicator") = pybind11::none(),
+      "A c10d Backend that stages each call onto `target` and runs it on the backend `communicator()` makes; "
+      "CPU reductions of dtypes that backend cannot reduce run on the gloo backend `cpu_communicator()` makes.");
   m.def("staging_target", [](const BackendPtr& backend) -> std::optional<c10::Device> {
     auto* staging = dynamic_cast<StagingBackend*>(backend.get());
     if (staging == nullptr) return std::nullopt;

@@ -1,6 +1,4 @@
 // The work of a staged call, and the write-back that completes it.
-#include <chrono>
-
 #include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
 
@@ -10,36 +8,22 @@ namespace comm_native {
 
 namespace {
 
-std::mutex tallyMutex;
-std::map<std::string, Tally>& tallyTable() {
-  static std::map<std::string, Tally> table;
-  return table;
-}
+class DoneWork final : public c10d::Work {
+ public:
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    future->markCompleted(c10::IValue(Tensors{}));
+    return future;
+  }
+};
 
 } // namespace
 
-void tally(const std::string& name, const Tally& more) {
-  std::lock_guard<std::mutex> lock(tallyMutex);
-  auto& entry = tallyTable()[name];
-  entry.calls += more.calls;
-  entry.transfers += more.transfers;
-  entry.bytes += more.bytes;
-  entry.nanoseconds += more.nanoseconds;
-}
-
-std::map<std::string, Tally> tallies() {
-  std::lock_guard<std::mutex> lock(tallyMutex);
-  return tallyTable();
-}
-
-void resetTallies() {
-  std::lock_guard<std::mutex> lock(tallyMutex);
-  tallyTable().clear();
-}
-
-int64_t nowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+WorkPtr doneWork() {
+  return c10::make_intrusive<DoneWork>();
 }
 
 WriteBack::WriteBack(std::string name, std::string what, std::vector<Piece> pieces, Tensors results,
@@ -57,8 +41,9 @@ void WriteBack::write() {
       if (divisor_ != 1) piece.staged.div_(divisor_);
       copied.transfers += 1;
       copied.bytes += static_cast<int64_t>(piece.staged.nbytes());
-      if (piece.callers.size() == 1) {
-        piece.callers.front().copy_(piece.staged);
+      if (piece.callers.size() == 1) { // its copy, or a flat buffer of one tensor
+        auto& caller = piece.callers.front();
+        caller.copy_(piece.staged.sizes() == caller.sizes() ? piece.staged : piece.staged.reshape(caller.sizes()));
         continue;
       }
       // A list: its flat buffer comes back in one transfer, then each tensor takes its part.
@@ -76,14 +61,14 @@ void WriteBack::write() {
   });
 }
 
-void rethrowStaged(const WriteBack& back) {
+void rethrowStaged(const std::string& what) {
   try {
     throw;
   } catch (c10::Error& error) {
-    error.add_context(back.what());
+    error.add_context(what);
     throw;
   } catch (const std::exception& error) {
-    TORCH_CHECK(false, error.what(), "\n", back.what());
+    TORCH_CHECK(false, error.what(), "\n", what);
   }
 }
 
@@ -136,7 +121,7 @@ bool StagedWork::wait(std::chrono::milliseconds timeout) {
     try {
       inner_[i]->wait(timeout);
     } catch (...) {
-      rethrowStaged(*backs_.at(std::min(i, backs_.size() - 1)));
+      rethrowStaged(backs_.at(std::min(i, backs_.size() - 1))->what());
     }
   }
   writeAll();
@@ -162,7 +147,7 @@ c10::intrusive_ptr<c10::ivalue::Future> StagedWork::getFuture() {
         try {
           finished.value(); // rethrows the collective's error into the returned future
         } catch (...) {
-          rethrowStaged(*backs.front());
+          rethrowStaged(backs.front()->what());
         }
         Tensors callers;
         for (const auto& back : backs) {

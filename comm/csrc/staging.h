@@ -5,9 +5,17 @@
 // makes it (torch.distributed's Python functions, functional collectives, DDP's C++
 // reducer, the coalescing manager), to the backend of its tensors' device. comm puts
 // this backend in the slots the group leaves empty (the CPU on an nccl or hccl group,
-// the accelerator on a gloo group). Each call copies its tensors onto a device the
-// group's backend serves, runs that backend's collective on the copies, and writes
-// the results back into the caller's tensors when the work completes.
+// the accelerator on a gloo group). Every call goes through the same four steps:
+// copy the caller's tensors onto a device the group's backend serves (StagedCall),
+// call that backend's collective on the copies (StagingBackend::stage), wrap its work
+// (StagedWork), and write the results back into the caller's tensors when the work
+// completes (WriteBack).
+//
+// Files, by concept: calls.cpp (each c10d call: what it stages, what it calls),
+// staging_backend.cpp (the backend: its communicator, target, coalescing, the four
+// steps), staged_call.cpp (copies in, buffers out), staged_work.cpp (the work and the
+// write-back), tallies.cpp (what staging cost), mixed_devices.cpp (calls that mix device
+// types), module.cpp (Python).
 #pragma once
 
 #include <atomic>
@@ -31,8 +39,8 @@ using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
 // Makes the communicator staged calls run on; called once, at the first staged call.
 using CommunicatorFactory = std::function<BackendPtr()>;
 
-// What staging cost, per collective (torch.distributed's name for it), for comm.stats():
-// staged calls, host-device copies, their bytes and the time spent copying.
+// ---- tallies.cpp: what staging cost, per collective (torch.distributed's name for it),
+// for comm.stats(): staged calls, host-device copies, their bytes and the time spent copying.
 struct Tally {
   int64_t calls = 0;
   int64_t transfers = 0;
@@ -43,6 +51,8 @@ void tally(const std::string& name, const Tally& more);
 std::map<std::string, Tally> tallies();
 void resetTallies();
 int64_t nowNs();
+
+// ---- staged_work.cpp: the work of a staged call, and the write-back that completes it.
 
 // Caller tensors and the one staged buffer their results come back from: a tensor's
 // copy, or a list's flat buffer, which comes back in one transfer and is then split.
@@ -99,12 +109,83 @@ class StagedWork final : public c10d::Work {
   std::vector<std::shared_ptr<WriteBack>> backs_;
 };
 
-// Rethrows the exception in flight with a note of what `back` staged.
-[[noreturn]] void rethrowStaged(const WriteBack& back);
+// A finished work, for calls that return before the communicator runs them (inside
+// a coalescing block of a communicator that coalesces: endCoalescing's work runs them).
+WorkPtr doneWork();
 
+// Rethrows the exception in flight with `what` (what a call staged) added to its message.
+[[noreturn]] void rethrowStaged(const std::string& what);
+
+// ---- staged_call.cpp: one staged call's copies onto the target device, and which of
+// them are written back where.
+class StagedCall {
+ public:
+  StagedCall(const char* name, at::Device target, int groupSize, c10d::Backend& communicator);
+
+  // The communicator the call runs on.
+  c10d::Backend& communicator() { return communicator_; }
+
+  // Copies of what the collective only reads: one per tensor, one flat copy per list.
+  at::Tensor in(const at::Tensor& tensor);
+  Tensors in(const Tensors& list);
+  TensorLists in(const TensorLists& lists);
+  // Tensors the collective only reads, which its work still reports as its result
+  // (a broadcast's source, a reduce's non-destination ranks), as torch's work does.
+  Tensors inReported(const Tensors& list);
+  // Buffers for what the collective writes, written back when the work completes.
+  at::Tensor out(const at::Tensor& tensor);
+  Tensors out(const Tensors& list);
+  TensorLists out(const TensorLists& lists);
+  // Copies of what the collective reads and writes (in-place calls), written back.
+  Tensors inOut(const Tensors& list);
+  // A list as one flat buffer, for a call that runs on it whole; `reads`: copied in too.
+  at::Tensor flat(const Tensors& list, bool reads);
+  // A copy of a list as one flat tensor the collective only reads.
+  at::Tensor inFlat(const Tensors& list);
+
+  // Whether a list can travel as one flat buffer: several tensors of one dtype on one device.
+  static bool flattens(const Tensors& list);
+
+  // The reduce op to run on `inputs` (the copies the collective reads): ReduceOp.AVG
+  // becomes SUM, divided at the write-back; PREMUL_SUM becomes SUM of the copies
+  // scaled first. Backends lack both (gloo has no PREMUL_SUM, some HCCL and XCCL parts
+  // no AVG), and the copies are comm's to scale. An integer AVG goes to a communicator
+  // that averages integers itself (nccl), and is refused elsewhere.
+  c10d::ReduceOp reduceOp(const c10d::ReduceOp& op, const Tensors& inputs);
+  c10d::ReduceOp reduceOp(const c10d::ReduceOp& op, const at::Tensor& input) { return reduceOp(op, Tensors{input}); }
+
+  // What an error says was staged.
+  std::string what() const;
+  // What the write-back writes; taken once, after the call was issued.
+  std::shared_ptr<WriteBack> writeBack();
+  // Counts the call and its copies in: once the communicator has taken it.
+  void issued();
+
+ private:
+  at::Tensor buffer(const at::Tensor& tensor, bool reads);
+  void noteSource(const at::Tensor& tensor);
+
+  // Staging is the collective's own work, below autograd as torch's backends write:
+  // no graph for the copies, no version bump, inference tensors included.
+  at::AutoDispatchBelowADInplaceOrView belowAutograd_;
+  const char* name_;
+  at::Device target_;
+  int groupSize_;
+  c10d::Backend& communicator_;
+  std::vector<Piece> pieces_;
+  Tensors results_;
+  int64_t divisor_ = 1;
+  Tally copied_;
+  std::string source_;
+};
+
+// ---- staging_backend.cpp and calls.cpp: the backend.
 class StagingBackend final : public c10d::Backend {
  public:
-  StagingBackend(int rank, int size, at::Device target, CommunicatorFactory factory);
+  // `cpuFactory` (may be empty): makes a gloo communicator over the group's store, for
+  // CPU reductions of dtypes the group's backend cannot reduce (made at the first one).
+  StagingBackend(int rank, int size, at::Device target, CommunicatorFactory factory,
+                 CommunicatorFactory cpuFactory = nullptr);
   StagingBackend(int rank, int size, at::Device target, BackendPtr communicator);
 
   const std::string getBackendName() const override { return "comm"; }
@@ -116,7 +197,11 @@ class StagingBackend final : public c10d::Backend {
   WorkPtr endCoalescing() override;
   BackendPtr split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
                    const c10::intrusive_ptr<Options>& opts) override;
+  // Forwarded to comm's communicators (c10d's abort and destroy_process_group reach them).
+  void abort() override;
+  void shutdown() override;
 
+  // calls.cpp
   WorkPtr broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) override;
   WorkPtr allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) override;
   WorkPtr allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
@@ -141,27 +226,43 @@ class StagingBackend final : public c10d::Backend {
   WorkPtr barrier(const c10d::BarrierOptions& opts) override;
 
   // Where staged calls run; a device without an index until the first staged call fixes it.
-  const at::Device& target() const { return target_; }
+  at::Device target() const;
 
  private:
-  class Call;
-
-  // The communicator staged calls run on, made at the first one.
+  // A reduction's facts that decide where it runs: its c10d function (the group's
+  // backend may accept a dtype in one function and not another) and its tensors.
+  struct Reduction {
+    const char* function;
+    Tensors tensors;
+  };
+  // The four steps of every staged call: `run` copies the caller's tensors in (onto the
+  // call's target) and calls the communicator on the copies; its work comes back
+  // wrapped, writing back when it completes (or kept for endCoalescing's work). A
+  // `reduction` of a dtype the group's backend cannot reduce runs on the CPU
+  // communicator, or is refused before anything is copied.
+  WorkPtr stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run,
+                const Reduction* reduction = nullptr);
+  // The communicator staged calls run on, made at the first one; fixes the target then.
   c10d::Backend& communicator();
-  // The target device, fixed at the first staged call where it names no index.
-  const at::Device& stagingTarget();
-  // Runs `issue` on a call's staged copies; hands back its work, or keeps it while coalescing.
-  WorkPtr finish(Call& call, c10d::OpType type, const std::function<WorkPtr(c10d::Backend&)>& issue);
+  // The gloo communicator for CPU reductions the group's backend cannot run; made at the first.
+  c10d::Backend& cpuCommunicator();
+  // The communicators made so far.
+  std::vector<BackendPtr> communicators() const;
 
+  // Guards every field below: staged calls come from any thread (dcp.async_save's too).
+  mutable std::mutex mutex_;
   at::Device target_;
-  std::mutex mutex_;
   CommunicatorFactory factory_;
   BackendPtr communicator_;
+  CommunicatorFactory cpuFactory_;
+  BackendPtr cpuCommunicator_;
   std::chrono::milliseconds timeout_;
-  // Between startCoalescing and endCoalescing: the works and write-backs issued so far.
+  // Between startCoalescing and endCoalescing: the works and write-backs issued so far;
+  // works of calls that ran on the CPU communicator, outside the communicator's block, apart.
   bool coalescing_ = false;
   bool communicatorCoalesces_ = false;
   std::vector<WorkPtr> coalescedWorks_;
+  std::vector<WorkPtr> coalescedCpuWorks_;
   std::vector<std::shared_ptr<WriteBack>> coalescedBacks_;
 };
 

@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 _LOCK = threading.Lock()
-_ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any], bool]] = None
+_ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any], bool, bool]] = None
 
 
 def can_simulate() -> bool:
@@ -66,15 +66,19 @@ def simulate_accelerator(
     backend: str = "hccl",
     device_count: int = 8,
     unsupported_ops: Iterable[dist.ReduceOp.RedOpType] = (),
+    lenient: bool = False,
     torch_npu_patches: bool = False,
 ) -> None:
     """Set up a simulated accelerator ``name`` with collective backend ``backend`` in this process.
 
-    ``unsupported_ops`` lists reduce ops the backend rejects (``ReduceOp.AVG`` on
-    some HCCL parts), to exercise capability gaps. ``torch_npu_patches`` (``npu``
-    only) replaces in torch what real torch_npu replaces at import, as real
-    torch_npu's autoload does inside ``import torch``: see
-    :func:`apply_torch_npu_patches`. PrivateUse1 can be claimed once
+    The backend follows HCCL's rules (torch_npu's ProcessGroupHCCL): the dtypes each
+    collective accepts, no bitwise reductions, no ``allgather_coalesced``, no receive
+    from any source, AVG and PREMUL_SUM done by the backend. ``lenient=True`` drops
+    those rules: every call runs as gloo runs it. ``unsupported_ops`` lists further
+    reduce ops the backend rejects (``ReduceOp.AVG`` on some HCCL parts).
+    ``torch_npu_patches`` (``npu`` only) replaces in torch what real torch_npu
+    replaces at import, as real torch_npu's autoload does inside ``import torch``:
+    see :func:`apply_torch_npu_patches`. PrivateUse1 can be claimed once
     per process: a second call with the same arguments does nothing, and any other
     second call, a call after a real plugin such as ``torch_npu`` was imported, or a
     call where :func:`can_simulate` is False raises ``RuntimeError``. The first call
@@ -87,7 +91,7 @@ def simulate_accelerator(
         raise ValueError(f"torch_npu_patches must be a bool, and True only for 'npu', got {torch_npu_patches!r} "
                          f"for {name!r}")
     ops = frozenset(unsupported_ops)
-    wanted = (name, backend, device_count, ops, torch_npu_patches)
+    wanted = (name, backend, device_count, ops, bool(lenient), torch_npu_patches)
     with _LOCK:
         if _ACTIVE == wanted:
             return
@@ -100,7 +104,7 @@ def simulate_accelerator(
                 "the simulation must run in a process without it"
             )
         _device.install_device(name, device_count)
-        _process_group.register_backend(backend, name, ops)
+        _process_group.register_backend(backend, name, ops, bool(lenient))
         if name == "npu":
             _torch_npu.install()
         if torch_npu_patches:

@@ -27,19 +27,20 @@ def create_backend(
     timeout: datetime.timedelta,
     backend_name: str,
     unsupported_ops: FrozenSet[dist.ReduceOp.RedOpType],
+    lenient: bool = False,
 ) -> Any:
-    """A simulated backend for one group: gloo underneath, ``backend_name`` on top."""
+    """A simulated backend for one group: gloo underneath, ``backend_name`` on top (HCCL's rules unless ``lenient``)."""
     host = dist.ProcessGroupGloo(store, rank, size, timeout)
     refused = {int(op.value): op.name for op in unsupported_ops}
-    return SIMULATED.load().make_backend(host, backend_name, refused)
+    return SIMULATED.load().make_backend(host, backend_name, refused, lenient)
 
 
 def register_backend(
-    backend_name: str, device_type: str, unsupported_ops: FrozenSet[dist.ReduceOp.RedOpType]
+    backend_name: str, device_type: str, unsupported_ops: FrozenSet[dist.ReduceOp.RedOpType], lenient: bool = False
 ) -> None:
     """Register ``backend_name`` with c10d as the backend of ``device_type``."""
 
     def create(store: Store, rank: int, size: int, timeout: datetime.timedelta) -> Any:
-        return create_backend(store, rank, size, timeout, backend_name, unsupported_ops)
+        return create_backend(store, rank, size, timeout, backend_name, unsupported_ops, lenient)
 
     dist.Backend.register_backend(backend_name, create, devices=[device_type])

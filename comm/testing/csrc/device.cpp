@@ -476,5 +476,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("fail_next", &fail_next, pybind11::arg("on_wait"), pybind11::arg("calls"));
   m.def("make_backend", &make_backend, pybind11::arg("host"), pybind11::arg("name"),
-        pybind11::arg("unsupported_ops"));
+        pybind11::arg("unsupported_ops"), pybind11::arg("lenient"));
 }

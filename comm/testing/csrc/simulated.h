@@ -24,11 +24,12 @@ inline std::atomic<int64_t> collectives{0};
 at::Tensor host_view(const at::Tensor& tensor);
 
 // The collective backend of the simulated device: runs each collective with `host`
-// (a gloo backend) on host views of the device tensors.
+// (a gloo backend) on host views of the device tensors, by HCCL's rules unless `lenient`.
 c10::intrusive_ptr<c10d::Backend> make_backend(
     c10::intrusive_ptr<c10d::Backend> host,
     std::string name,
-    std::map<int64_t, std::string> unsupported_ops);
+    std::map<int64_t, std::string> unsupported_ops,
+    bool lenient);
 
 // The next `calls` collectives of any simulated backend fail: when issued, or on wait.
 void fail_next(bool on_wait, int64_t calls);

@@ -1,0 +1,205 @@
+// Every collective and point-to-point call of c10d's Backend, staged: each says what
+// it copies in (StagedCall::in), what it writes back (out, inOut), and what it calls on
+// the communicator; StagingBackend::stage does the rest.
+#include "staging.h"
+#include "torch_releases.h"
+
+namespace comm_native {
+namespace {
+
+Tensors flat(const TensorLists& lists) {
+  Tensors all;
+  for (const auto& list : lists) all.insert(all.end(), list.begin(), list.end());
+  return all;
+}
+
+// `opts` with its reduce op as the copies `inputs` run it (see StagedCall::reduceOp).
+template <typename Options>
+Options reducing(StagedCall& call, Options opts, const Tensors& inputs) {
+  opts.reduceOp = call.reduceOp(opts.reduceOp, inputs);
+  return opts;
+}
+
+} // namespace
+
+WorkPtr StagingBackend::broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) {
+  return stage("broadcast", c10d::OpType::BROADCAST, [&](StagedCall& call) {
+    // The source's tensors are only read: nothing comes back to them.
+    auto copies = getRank() == opts.rootRank ? call.inReported(tensors) : call.inOut(tensors);
+    return call.communicator().broadcast(copies, opts);
+  });
+}
+
+WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
+  Reduction reduction{"allreduce", tensors};
+  return stage("all_reduce", c10d::OpType::ALLREDUCE, [&](StagedCall& call) {
+    auto copies = call.inOut(tensors);
+    auto options = reducing(call, opts, copies);
+    return call.communicator().allreduce(copies, options);
+  }, &reduction);
+}
+
+WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  Reduction reduction{"allreduce_coalesced", tensors};
+  return stage("all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, [&](StagedCall& call) {
+    if (StagedCall::flattens(tensors)) { // one flat buffer: one transfer each way, one all-reduce
+      Tensors copies{call.flat(tensors, /*reads=*/true)};
+      auto options = reducing(call, c10d::AllreduceOptions(opts), copies);
+      return call.communicator().allreduce(copies, options);
+    }
+    auto copies = call.inOut(tensors);
+    auto options = reducing(call, opts, copies);
+    return call.communicator().allreduce_coalesced(copies, options);
+  }, &reduction);
+}
+
+WorkPtr StagingBackend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts) {
+  Reduction reduction{"reduce", tensors};
+  return stage("reduce", c10d::OpType::REDUCE, [&](StagedCall& call) {
+    // Only the destination's tensors are written.
+    auto copies = getRank() == opts.rootRank ? call.inOut(tensors) : call.inReported(tensors);
+    auto options = reducing(call, opts, copies);
+    return call.communicator().reduce(copies, options);
+  }, &reduction);
+}
+
+WorkPtr StagingBackend::allgather(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
+  return stage("all_gather", c10d::OpType::ALLGATHER, [&](StagedCall& call) {
+    auto in = call.in(inputs);
+    auto out = call.out(outputs);
+    return call.communicator().allgather(out, in, opts);
+  });
+}
+
+WorkPtr StagingBackend::_allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  return stage("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, [&](StagedCall& call) {
+    auto in = call.in(input);
+    auto out = call.out(output);
+    return call.communicator()._allgather_base(out, in, opts);
+  });
+}
+
+WorkPtr StagingBackend::allgather_coalesced(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
+  // One flat gather, as torch's ProcessGroupNCCL runs it too: HCCL has no allgather_coalesced
+  // (torch_npu's ProcessGroupHCCL does not override it), and every backend has _allgather_base.
+  // Rank r's block of the flat output holds its inputs end to end, as outputs[r] lists them.
+  auto outs = flat(outputs);
+  for (const auto& tensor : outs) {
+    TORCH_CHECK(tensor.scalar_type() == inputs.at(0).scalar_type(),
+                "all_gather_coalesced needs one dtype for every tensor; got ", inputs.at(0).scalar_type(), " and ",
+                tensor.scalar_type());
+  }
+  return stage("all_gather_coalesced", c10d::OpType::ALLGATHER_COALESCED, [&](StagedCall& call) {
+    auto in = call.inFlat(inputs);
+    auto out = call.flat(outs, /*reads=*/false);
+    return call.communicator()._allgather_base(out, in, opts);
+  });
+}
+
+WorkPtr StagingBackend::allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
+                                                        const c10d::AllgatherOptions& opts) {
+  return stage("all_gather_into_tensor_coalesced", c10d::OpType::COALESCED, [&](StagedCall& call) {
+    auto in = call.in(inputs);
+    auto out = call.out(outputs);
+    return call.communicator().allgather_into_tensor_coalesced(out, in, opts);
+  });
+}
+
+WorkPtr StagingBackend::gather(TensorLists& outputs, Tensors& inputs, const c10d::GatherOptions& opts) {
+  return stage("gather", c10d::OpType::GATHER, [&](StagedCall& call) {
+    auto in = call.in(inputs);
+    auto out = call.out(outputs); // empty except on the root
+    return call.communicator().gather(out, in, opts);
+  });
+}
+
+WorkPtr StagingBackend::scatter(Tensors& outputs, TensorLists& inputs, const c10d::ScatterOptions& opts) {
+  return stage("scatter", c10d::OpType::SCATTER, [&](StagedCall& call) {
+    auto in = call.in(inputs); // empty except on the root
+    auto out = call.out(outputs);
+    return call.communicator().scatter(out, in, opts);
+  });
+}
+
+WorkPtr StagingBackend::reduce_scatter(Tensors& outputs, TensorLists& inputs, const c10d::ReduceScatterOptions& opts) {
+  Reduction reduction{"reduce_scatter", outputs};
+  return stage("reduce_scatter", c10d::OpType::REDUCE_SCATTER, [&](StagedCall& call) {
+    auto in = call.in(inputs);
+    auto out = call.out(outputs);
+    auto options = reducing(call, opts, flat(in));
+    return call.communicator().reduce_scatter(out, in, options);
+  }, &reduction);
+}
+
+WorkPtr StagingBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                             const c10d::ReduceScatterOptions& opts) {
+  Reduction reduction{"_reduce_scatter_base", {output, input}};
+  return stage("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, [&](StagedCall& call) {
+    auto in = call.in(input);
+    auto out = call.out(output);
+    auto options = reducing(call, opts, {in});
+    return call.communicator()._reduce_scatter_base(out, in, options);
+  }, &reduction);
+}
+
+WorkPtr StagingBackend::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
+                                                        const c10d::ReduceScatterOptions& opts) {
+  Reduction reduction{"reduce_scatter_tensor_coalesced", inputs};
+  return stage("reduce_scatter_tensor_coalesced", comm_releases::kReduceScatterTensorCoalesced, [&](StagedCall& call) {
+    auto in = call.in(inputs);
+    auto out = call.out(outputs);
+    auto options = reducing(call, opts, in);
+    return call.communicator().reduce_scatter_tensor_coalesced(out, in, options);
+  }, &reduction);
+}
+
+WorkPtr StagingBackend::alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
+                                      std::vector<int64_t>& input_splits, const c10d::AllToAllOptions& opts) {
+  return stage("all_to_all_single", c10d::OpType::ALLTOALL_BASE, [&](StagedCall& call) {
+    auto in = call.in(input);
+    auto out = call.out(output);
+    return call.communicator().alltoall_base(out, in, output_splits, input_splits, opts);
+  });
+}
+
+WorkPtr StagingBackend::alltoall(Tensors& outputs, Tensors& inputs, const c10d::AllToAllOptions& opts) {
+  return stage("all_to_all", c10d::OpType::ALLTOALL, [&](StagedCall& call) {
+    auto in = call.in(inputs);
+    auto out = call.out(outputs);
+    return call.communicator().alltoall(out, in, opts);
+  });
+}
+
+WorkPtr StagingBackend::send(Tensors& tensors, int dst, int tag) {
+  return stage("send", c10d::OpType::SEND, [&](StagedCall& call) {
+    auto in = call.in(tensors);
+    return call.communicator().send(in, dst, tag);
+  });
+}
+
+WorkPtr StagingBackend::recv(Tensors& tensors, int src, int tag) {
+  return stage("recv", c10d::OpType::RECV, [&](StagedCall& call) {
+    auto out = call.out(tensors);
+    return call.communicator().recv(out, src, tag);
+  });
+}
+
+WorkPtr StagingBackend::recvAnysource(Tensors& tensors, int tag) {
+  return stage("recv", c10d::OpType::RECVANYSOURCE, [&](StagedCall& call) {
+    // Of c10d's backends only gloo and mpi receive from any source; nccl refuses, so does
+    // torch_npu's hccl ("ProcessGroupHCCL does not support recv", ProcessGroupHCCL.cpp:6988-6992).
+    auto& comm = call.communicator();
+    auto backend = comm.getBackendName();
+    TORCH_CHECK(backend == "gloo" || backend == "mpi", "a receive from any source (src=None) cannot be staged onto ",
+                target().str(), ": the group's backend there, ", backend,
+                ", cannot receive from any source; name the sender");
+    auto out = call.out(tensors);
+    return comm.recvAnysource(out, tag);
+  });
+}
+
+WorkPtr StagingBackend::barrier(const c10d::BarrierOptions& opts) {
+  return stage("barrier", c10d::OpType::BARRIER, [&](StagedCall& call) { return call.communicator().barrier(opts); });
+}
+
+} // namespace comm_native

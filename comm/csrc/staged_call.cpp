@@ -1,0 +1,178 @@
+// One staged call's copies: the caller's tensors copied onto the target device (one
+// transfer per tensor, one per list as a flat buffer), buffers for the results, and
+// which of them the write-back writes where.
+#include <ATen/record_function.h>
+
+#include "staging.h"
+#include "torch_releases.h"
+
+namespace comm_native {
+namespace {
+
+template <typename F>
+Tensors each(const Tensors& tensors, F&& stage) {
+  Tensors staged;
+  staged.reserve(tensors.size());
+  for (const auto& tensor : tensors) staged.push_back(stage(tensor));
+  return staged;
+}
+
+int64_t total(const Tensors& list) {
+  int64_t numel = 0;
+  for (const auto& tensor : list) numel += tensor.numel();
+  return numel;
+}
+
+// The list's tensors end to end, where they are (on the host for CPU tensors): no transfer.
+at::Tensor joined(const Tensors& list) {
+  Tensors flat;
+  flat.reserve(list.size());
+  for (const auto& tensor : list) flat.push_back(tensor.reshape(-1));
+  return at::cat(flat);
+}
+
+// Views of `flat` shaped as the tensors of `like`, end to end.
+Tensors views(const at::Tensor& flat, const Tensors& like) {
+  Tensors parts;
+  int64_t offset = 0;
+  for (const auto& tensor : like) {
+    parts.push_back(flat.narrow(0, offset, tensor.numel()).view(tensor.sizes()));
+    offset += tensor.numel();
+  }
+  return parts;
+}
+
+} // namespace
+
+StagedCall::StagedCall(const char* name, at::Device target, int groupSize, c10d::Backend& communicator)
+    : name_(name), target_(target), groupSize_(groupSize), communicator_(communicator) {}
+
+void StagedCall::noteSource(const at::Tensor& tensor) {
+  if (source_.empty()) source_ = tensor.device().str();
+}
+
+at::Tensor StagedCall::in(const at::Tensor& tensor) {
+  RECORD_FUNCTION("comm.stage_in", std::vector<c10::IValue>());
+  auto start = nowNs();
+  auto staged = at::_to_copy(tensor, tensor.options().device(target_), /*non_blocking=*/false,
+                             at::MemoryFormat::Contiguous);
+  copied_.nanoseconds += nowNs() - start;
+  copied_.transfers += 1;
+  copied_.bytes += static_cast<int64_t>(tensor.nbytes());
+  noteSource(tensor);
+  return staged;
+}
+
+Tensors StagedCall::in(const Tensors& list) {
+  if (!flattens(list)) return each(list, [this](const at::Tensor& t) { return in(t); });
+  return views(in(joined(list)), list);
+}
+
+TensorLists StagedCall::in(const TensorLists& lists) {
+  TensorLists staged;
+  for (const auto& list : lists) staged.push_back(in(list));
+  return staged;
+}
+
+Tensors StagedCall::inReported(const Tensors& list) {
+  results_.insert(results_.end(), list.begin(), list.end());
+  return in(list);
+}
+
+at::Tensor StagedCall::buffer(const at::Tensor& tensor, bool reads) {
+  auto staged = reads ? in(tensor) : at::empty(tensor.sizes(), tensor.options().device(target_));
+  pieces_.push_back(Piece{{tensor}, staged});
+  results_.push_back(tensor);
+  noteSource(tensor);
+  return staged;
+}
+
+at::Tensor StagedCall::out(const at::Tensor& tensor) {
+  return buffer(tensor, /*reads=*/false);
+}
+
+Tensors StagedCall::out(const Tensors& list) {
+  if (!flattens(list)) return each(list, [this](const at::Tensor& t) { return buffer(t, /*reads=*/false); });
+  return views(flat(list, /*reads=*/false), list);
+}
+
+TensorLists StagedCall::out(const TensorLists& lists) {
+  TensorLists staged;
+  for (const auto& list : lists) staged.push_back(out(list));
+  return staged;
+}
+
+Tensors StagedCall::inOut(const Tensors& list) {
+  if (!flattens(list)) return each(list, [this](const at::Tensor& t) { return buffer(t, /*reads=*/true); });
+  return views(flat(list, /*reads=*/true), list);
+}
+
+at::Tensor StagedCall::flat(const Tensors& list, bool reads) {
+  auto staged = reads ? in(joined(list)) : at::empty({total(list)}, list.front().options().device(target_));
+  pieces_.push_back(Piece{list, staged});
+  results_.insert(results_.end(), list.begin(), list.end());
+  noteSource(list.front());
+  return staged;
+}
+
+at::Tensor StagedCall::inFlat(const Tensors& list) {
+  return in(joined(list));
+}
+
+bool StagedCall::flattens(const Tensors& list) {
+  if (list.size() < 2) return false;
+  for (const auto& tensor : list) {
+    if (tensor.dtype() != list.front().dtype() || tensor.device() != list.front().device()) return false;
+  }
+  return true;
+}
+
+c10d::ReduceOp StagedCall::reduceOp(const c10d::ReduceOp& op, const Tensors& inputs) {
+  if (op.op_ == c10d::ReduceOp::AVG) {
+    for (const auto& tensor : inputs) {
+      if (!at::isIntegralType(tensor.scalar_type(), /*includeBool=*/true)) continue;
+      auto backend = communicator_.getBackendName();
+      // NCCL averages integers itself (torch's ProcessGroupNCCL.cpp maps AVG to ncclAvg for every
+      // type but bool, which it refuses with its own message).
+      if (backend == "nccl") return op;
+      // gloo and HCCL divide in floating point (ProcessGroupGloo, and torch_npu's
+      // ProcessGroupHCCL.cpp:4808-4816, which truncates only on Ascend950), where an integer
+      // tensor fails: "result type Float can't be cast to the desired output type Long".
+      TORCH_CHECK(false, "ReduceOp.AVG of ", tensor.scalar_type(), " tensors cannot be staged onto ", target_.str(),
+                  ": the group's backend there, ", backend,
+                  ", cannot average integers (result type Float can't be cast to the desired output type ",
+                  tensor.scalar_type(), "); reduce with SUM and divide");
+    }
+    divisor_ = groupSize_;
+    return c10d::ReduceOp(c10d::ReduceOp::SUM);
+  }
+  if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
+    auto* factor = dynamic_cast<comm_releases::PreMulSumFactor*>(op.supplement_.get());
+    TORCH_CHECK(factor != nullptr, "ReduceOp.PREMUL_SUM without its factor");
+    for (const auto& tensor : inputs) {
+      if (factor->tensor_factor.defined()) {
+        tensor.mul_(factor->tensor_factor.to(tensor.device()));
+      } else {
+        tensor.mul_(factor->double_factor);
+      }
+    }
+    return c10d::ReduceOp(c10d::ReduceOp::SUM);
+  }
+  return op;
+}
+
+std::string StagedCall::what() const {
+  return c10::str("comm staged ", name_, ": ", copied_.transfers, " tensor(s), ", copied_.bytes, " bytes, ",
+                  source_.empty() ? "-" : source_, " -> ", target_.str(), "; the caller's tensors were not written");
+}
+
+std::shared_ptr<WriteBack> StagedCall::writeBack() {
+  return std::make_shared<WriteBack>(name_, what(), std::move(pieces_), std::move(results_), divisor_);
+}
+
+void StagedCall::issued() {
+  copied_.calls = 1;
+  tally(name_, copied_);
+}
+
+} // namespace comm_native

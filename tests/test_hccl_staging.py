@@ -1,0 +1,140 @@
+"""comm on the simulated hccl as HCCL behaves: the acceptance cases of issue 28.
+
+On two simulated NPUs under ``comm.patch()``, CPU tensors on the hccl group must give
+what torch gives with gloo (the reference each case computes by hand or on a gloo
+group), or a clear error before anything is written.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
+
+import comm
+
+from multiproc import NPU, error_of, run_ranks
+
+pytestmark = pytest.mark.skipif(comm.unavailable_reason() is not None, reason=str(comm.unavailable_reason()))
+
+
+def _values(rank, numel, dtype=torch.float32):
+    return torch.arange(numel, dtype=dtype) * (rank + 1) + rank
+
+
+def _coalesced_blocks(rank, group):
+    """A _coalescing_manager block of two and of three CPU all-reduces, sync and async: what each gave."""
+    gloo = dist.new_group([0, 1], backend="gloo")
+    differences = []
+    for count in (2, 3):
+        for async_ops in (False, True):
+            tensors = [_values(rank, n + 2) for n in range(count)]
+            reference = [t.clone() for t in tensors]
+            with _coalescing_manager(group, device=torch.device("cpu"), async_ops=async_ops) as manager:
+                for tensor in tensors:
+                    dist.all_reduce(tensor, group=group)
+            if async_ops:
+                manager.wait()
+            for tensor in reference:
+                dist.all_reduce(tensor, group=gloo)
+            if not all(torch.equal(a, b) for a, b in zip(tensors, reference)):
+                differences.append(f"{count} all-reduces, async={async_ops}: {tensors} != {reference}")
+    return differences
+
+
+def _acceptance(rank, world_size):
+    comm.patch(clip_grad_norm=False)
+    try:
+        group = dist.group.WORLD
+        gloo = dist.new_group([0, 1], backend="gloo")
+        seen = {"coalescing": _coalesced_blocks(rank, group)}
+        # float64 on the hccl group: HCCL cannot reduce it; gloo's values, in float64.
+        metric = torch.tensor([0.1 * (rank + 1), 1e-17], dtype=torch.float64)
+        expected = metric.clone()
+        dist.all_reduce(metric)
+        dist.all_reduce(expected, group=gloo)
+        seen["float64 all_reduce"] = (metric.dtype, torch.equal(metric, expected))
+        # bool reduce_scatter: HCCL casts bool only in allreduce and reduce.
+        flags = torch.tensor([rank == 0, False, True, rank == 1])
+        out, expected = torch.zeros(2, dtype=torch.bool), torch.zeros(2, dtype=torch.bool)
+        dist.reduce_scatter_tensor(out, flags)
+        dist.reduce_scatter_tensor(expected, flags, group=gloo)
+        seen["bool reduce_scatter"] = (out.tolist(), expected.tolist())
+        # all_gather_coalesced: HCCL has none; comm runs one flat gather.
+        inputs = [_values(rank, 3), _values(rank, 2).reshape(1, 2)]
+        outputs = [[torch.zeros_like(t) for t in inputs] for _ in range(world_size)]
+        dist.all_gather_coalesced(outputs, inputs)
+        seen["all_gather_coalesced"] = [[t.tolist() for t in lists] for lists in outputs]
+        # recv with no source: HCCL cannot; a clear error naming the backend, nothing written.
+        into = torch.full((2,), 7.0)
+        seen["recv any source"] = (error_of(dist.recv, into), into.tolist())
+        # integer AVG: hccl divides in floating point; refused with a message naming it.
+        counters = torch.tensor([rank + 1, 4])
+        seen["integer avg"] = (error_of(lambda: dist.all_reduce(counters, op=dist.ReduceOp.AVG)), counters.tolist())
+        seen["stats"] = comm.stats()
+        return seen
+    finally:
+        comm.unpatch()
+
+
+@pytest.fixture(scope="module")
+def acceptance():
+    return run_ranks(_acceptance, 2, backend="hccl", simulate=NPU)
+
+
+def test_coalescing_manager_blocks_of_cpu_all_reduces_give_torchs_values(acceptance):
+    for seen in acceptance:
+        assert seen["coalescing"] == []
+
+
+def test_float64_cpu_all_reduce_on_hccl_gives_gloos_values(acceptance):
+    for seen in acceptance:
+        assert seen["float64 all_reduce"] == (torch.float64, True)
+
+
+def test_bool_reduce_scatter_on_hccl_gives_gloos_values(acceptance):
+    for rank, seen in enumerate(acceptance):
+        got, expected = seen["bool reduce_scatter"]
+        assert got == expected == [[True, False], [True, True]][rank]
+
+
+def test_all_gather_coalesced_of_cpu_tensors(acceptance):
+    expected = [[_values(r, 3).tolist(), _values(r, 2).reshape(1, 2).tolist()] for r in range(2)]
+    for seen in acceptance:
+        assert seen["all_gather_coalesced"] == expected
+        assert seen["stats"]["all_gather_coalesced"]["staged_calls"] == 1
+
+
+def test_recv_without_a_source_is_refused_clearly(acceptance):
+    for rank, seen in enumerate(acceptance):
+        error, untouched = seen["recv any source"]
+        assert f"a receive from any source (src=None) cannot be staged onto npu:{rank}" in error
+        assert "the group's backend there, hccl, cannot receive from any source; name the sender" in error
+        assert untouched == [7.0, 7.0]
+
+
+def test_integer_avg_is_refused_naming_the_backend(acceptance):
+    for seen in acceptance:
+        error, untouched = seen["integer avg"]
+        assert "ReduceOp.AVG of Long tensors cannot be staged" in error and ", hccl, cannot average integers" in error
+        assert untouched in ([1, 4], [2, 4])
+
+
+def _integer_avg_on_a_communicator_named_nccl(rank, world_size):
+    """comm hands an integer AVG to a communicator that averages integers itself (nccl) rather than refusing it."""
+    import datetime
+
+    from comm._native import SIMULATED, STAGING
+
+    store = dist.FileStore(__import__("os").environ["COMM_TEST_STORE"] + "-nccl", world_size)
+    host = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=30))
+    named_nccl = SIMULATED.load().make_backend(host, "nccl", {}, True)
+    staging = STAGING.load().staging_backend(rank, world_size, torch.device("npu", rank), lambda: named_nccl)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.AVG
+    # gloo underneath then divides in floating point: its error, not comm's refusal, says AVG reached it.
+    return error_of(lambda: staging.allreduce([torch.tensor([1, 2])], options).wait())
+
+
+def test_integer_avg_goes_to_a_backend_that_averages_integers():
+    for error in run_ranks(_integer_avg_on_a_communicator_named_nccl, 2, backend="hccl", simulate=NPU):
+        assert "cannot be staged" not in error and "can't be cast to the desired output type Long" in error
