@@ -20,7 +20,7 @@ export OMP_NUM_THREADS ?= 1
 export PYTHONDONTWRITEBYTECODE :=
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc-per-node 2
 
-.PHONY: test test-clients demo bench lint gpu-check wheel clean
+.PHONY: test test-integration test-all test-clients demo bench lint gpu-check wheel clean
 
 # PIP_CONSTRAINT replaces any constraint file pip's own configuration names (a machine may cap
 # torch's release there) with this venv's, which pins its torch.
@@ -35,8 +35,19 @@ $(VENV)/.lint-installed: $(VENV)/.installed
 	PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install --quiet --no-compile --editable '.[test,lint]'
 	touch $@
 
-# The C++ extensions are built first, once per machine (cached): ranks must not each compile at first use.
+# Three tiers (docs/testing.md): make test runs the in-process and multi-rank tests; make
+# test-integration the whole programs (examples, python -m comm, launchers, packaging, torch's
+# own suites, compile); make test-all both at once. The C++ extensions are built first, once per
+# machine (cached): ranks must not each compile at first use.
 test: $(VENV)/.installed
+	$(PY) -m comm.build --simulated
+	$(PY) -m pytest -n auto -q -m "not integration"
+
+test-integration: $(VENV)/.installed
+	$(PY) -m comm.build --simulated
+	$(PY) -m pytest -n auto -q -m integration
+
+test-all: $(VENV)/.installed
 	$(PY) -m comm.build --simulated
 	$(PY) -m pytest -n auto -q
 

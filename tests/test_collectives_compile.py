@@ -21,6 +21,8 @@ import comm.testing
 
 from multiproc import NPU, SEED_ERROR, error_of, gloo_lacks_all_to_all, run_ranks
 
+pytestmark = pytest.mark.integration  # the integration tier: make test-integration
+
 # The collectives every supported torch compiles with fullgraph=True, those it compiles
 # so only with P2P compilation on (TORCHDYNAMO_ENABLE_P2P_COMPILATION=1), and those where
 # torch 2.13 breaks the graph ("marked as skipped", or P2P compilation off). Later

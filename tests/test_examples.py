@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from multiproc import SEED_ERROR, free_port, quiet_env, skip_unless_simulation
+
+pytestmark = pytest.mark.integration  # the integration tier: make test-integration
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -297,6 +297,7 @@ def _report(stdout):
     return json.loads(next(line for line in stdout.splitlines() if line.startswith("{")))
 
 
+@pytest.mark.integration
 def test_two_ranks_started_by_srun_alone():
     skip_unless_simulation()
     job_id, port = _free_job_port()
@@ -308,6 +309,7 @@ def test_two_ranks_started_by_srun_alone():
                         "sum": 3.0, "torchrun_variables": []}
 
 
+@pytest.mark.integration
 def test_two_ranks_started_by_openmpi_with_master_address():
     skip_unless_simulation()
     master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}

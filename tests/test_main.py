@@ -11,6 +11,8 @@ import pytest
 import comm
 import comm.__main__ as comm_main
 
+pytestmark = pytest.mark.integration  # the integration tier: make test-integration
+
 REPORT = textwrap.dedent(
     """
     import json, sys

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from comm._native import SIMULATED, STAGING
 
 from multiproc import skip_unless_simulation
@@ -32,6 +34,7 @@ STAGES_WITHOUT_A_COMPILER = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 def test_a_build_is_found_again_without_a_compiler_whatever_lock_torch_left(tmp_path):
     skip_unless_simulation()
     STAGING.load()

@@ -16,6 +16,8 @@ import torch
 import comm
 from comm._jupyter import warn_if_beside_jupyter
 
+pytestmark = pytest.mark.integration  # the integration tier: make test-integration
+
 ROOT = Path(__file__).resolve().parent.parent
 # What the build reads: a file the build needs but this list lacks fails the build here.
 BUILD_INPUTS = ("pyproject.toml", "setup.cfg", "README.md", "comm")

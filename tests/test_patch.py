@@ -248,6 +248,7 @@ def _python(code, **env):
                           env={**os.environ, **env}, timeout=120)
 
 
+@pytest.mark.integration
 def test_comm_patch_environment_variable(monkeypatch):
     check = "import comm, torch.distributed.distributed_c10d as c; print(hasattr(c._new_process_group_helper, " \
         "'__comm_replaces__'))"
@@ -285,6 +286,7 @@ def _torch_suite_shard(tmp_path, shard):
                             stderr=subprocess.PIPE, text=True, env=env), work / "stats"
 
 
+@pytest.mark.integration
 def test_torchs_own_distributed_tests_pass_patched(tmp_path):
     """torch's cases for every collective, p2p call and barrier pass under COMM_PATCH=1, every rank patched."""
     import json

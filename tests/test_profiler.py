@@ -313,6 +313,7 @@ def _run(tmp_path, value, *launcher):
     return result
 
 
+@pytest.mark.integration
 def test_comm_profile_prints_the_table_at_exit(tmp_path):
     printed = _run(tmp_path, "1").stderr
     assert printed.startswith("comm.profile, rank 0 of 1: 5 calls")
@@ -327,6 +328,7 @@ def test_comm_profile_0_or_unset_profiles_nothing(monkeypatch):
         assert comm.profiler._ACTIVE == () and _torch_entries()
 
 
+@pytest.mark.integration
 def test_comm_profile_prints_on_rank_0_or_every_rank(tmp_path):
     """Under torchrun rank 0 alone prints; with ``all`` a rank other than 0 (its rank from the launcher's
     variables, as before a group exists) prints too."""

@@ -151,6 +151,7 @@ def test_capability_queries_answer_as_cudas_do(translated):
     assert isinstance(torch.cuda.get_device_name(), str) and torch.cuda.memory_stats() == {}
 
 
+@pytest.mark.integration
 def test_a_script_annotating_cuda_streams_runs_under_python_m_comm(tmp_path):
     """The shape of transformers 5.x's import: an annotation evaluated at module level, then an isinstance check."""
     run = _under_python_m_comm(
@@ -262,6 +263,7 @@ def test_switching_it_off(monkeypatch):
     comm.unpatch()
 
 
+@pytest.mark.integration
 def test_python_m_comm_no_devices(tmp_path):
     source = "import torch\ntorch.cuda.set_device(0)\nprint('bound', torch.ones(1).cuda().device)\n"
     translated_run = _under_python_m_comm(tmp_path, source)
@@ -423,6 +425,7 @@ def test_on_a_gpu_nothing_is_translated(tmp_path):
     assert "model on cuda:0, backend nccl" in trainer.stdout and "rank 0: all_reduce sum 1" in trainer.stdout
 
 
+@pytest.mark.integration
 def test_multiprocessing_spawn_children_run_patched(tmp_path):
     """A plain multiprocessing child (spawn start method) of a script under python -m comm is patched too."""
     run = _under_python_m_comm(
@@ -461,6 +464,7 @@ def test_the_stand_in_lists_torchs_names_too(translated):
     assert torch.cuda.FloatTensor is translate_cuda._REAL.FloatTensor  # not translated: torch's own
 
 
+@pytest.mark.integration
 def test_starting_the_simulation_without_editing_the_script_refuses_bad_names():
     bad = subprocess.run([sys.executable, "-c", "import comm"], capture_output=True, text=True,
                          env=quiet_env(COMM_SIMULATE="npu:hccl:x"), timeout=120)

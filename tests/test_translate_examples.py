@@ -15,6 +15,8 @@ from test_examples import EXAMPLES, _torchrun, example
 
 from multiproc import free_port, no_cuda_errors, quiet_env, skip_unless_simulation
 
+pytestmark = pytest.mark.integration  # the integration tier: make test-integration
+
 
 def _train_on_the_union(model, learning_rate, batches):
     """Losses of one process that trains on each step's batches of every rank, concatenated."""
