@@ -8,12 +8,16 @@ comm's staging backend (C++, ``comm/csrc``) for each device type the group's own
 backend does not serve: the CPU on an nccl, hccl or xccl group, this process's
 accelerator on a gloo group. Calls on served devices never meet comm.
 
-The staging backend runs its calls on a communicator of its own, made at its first
-staged call by the same backend as the group's (gloo, nccl, or the plugin's creator)
-over the group's store under a prefix of its own. Staged calls, which may come from
-another thread (``dcp.async_save`` saves from one), then never interleave with the
-training thread's calls on the group's own communicator; torch's ``"cpu:gloo,
-cuda:nccl"`` groups keep the two apart the same way.
+Staged calls from the group's thread (the thread that equips it: where the group is
+created under ``comm.patch()``, or where ``comm.equip()`` is called) run on the
+group's own backend for the target device, the communicator its calls there already
+use, in the order that thread issues them, as the fix written by hand does. Staged
+calls from any other thread (``dcp.async_save`` saves from one) run on a communicator
+comm makes at that thread's first staged call, by the same backend as the group's
+(gloo, nccl, or the plugin's creator) with the group's options, over the group's store
+under a prefix of its own: they never interleave with the group's thread's calls on
+the group's own communicator. :func:`communicators` counts what comm made;
+:func:`adopt_thread` makes another thread the group's.
 
 Each slot is keyed by a ``BackendType`` label: ``CUSTOM`` on groups of torch's own
 backends, and, on groups whose backend is itself ``CUSTOM`` (a plugin such as hccl),
@@ -40,8 +44,8 @@ from comm._releases import backend_options
 from comm.device import accelerator_type, bound_device, current_device
 from comm.groups import GroupCache, backend_config, backends_by_device, resolve_group
 
-__all__ = ["equip", "existing_groups", "own_types", "ready", "staged_types", "staging_device", "target_device",
-           "unavailable_reason"]
+__all__ = ["adopt_thread", "communicators", "equip", "existing_groups", "own_types", "ready", "staged_types",
+           "staging_device", "target_device", "unavailable_reason"]
 
 # torch's private names this module uses, each because no public API does the job
 # (comm/_torch_private.py lists every private name comm uses; tests/test_torch_private.py
@@ -83,7 +87,10 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     group's backend serves only an accelerator, this process's accelerator where it
     serves only the CPU (gloo); empty where it serves both, or serves neither the
     CPU nor any device of this process. Idempotent; call it on every rank of the
-    group (the communicator comm makes later is a collective of the group's ranks).
+    group (the communicator comm makes later is a collective of the group's ranks),
+    from the thread that issues the group's collectives: staged calls from that
+    thread run on the group's own backend, those of other threads on a communicator
+    comm makes (see :func:`adopt_thread`).
     """
     pg = resolve_group(group)
     with _LOCK:
@@ -95,8 +102,11 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
         native = STAGING.load()
         label = _free_label(pg)
         name = pg.group_name  # c10d reads the name from the first backend by device type: put it back after
-        backend = native.staging_backend(pg.rank(), pg.size(), target, _communicator_factory(pg, target),
-                                         _cpu_communicator_factory(pg, target))
+        factories = (_communicator_factory(pg, target), _cpu_communicator_factory(pg, target))
+        try:
+            backend = native.staging_backend(pg.rank(), pg.size(), target, pg._get_backend(target), *factories)
+        except TypeError:  # the group's backend there is no c10d Backend comm can hold: comm's own for every thread
+            backend = native.staging_backend(pg.rank(), pg.size(), target, None, *factories)
         for device_type in missing:
             pg._register_backend(torch.device(device_type), label, backend)
         pg._set_group_name(name)
@@ -130,6 +140,59 @@ def ready(group: Optional[dist.ProcessGroup]) -> bool:
             equip(group)
         _READY.set(group, known)
     return known
+
+
+def adopt_thread(group: Optional[dist.ProcessGroup] = None) -> None:
+    """Make the calling thread ``group``'s thread: its staged calls run on the group's own backend from now on.
+
+    For a program that creates its groups on one thread and trains on another (call it
+    from the training thread, on every rank). Staged calls from the thread that was the
+    group's until now run on a communicator comm makes, from their next call on. A no-op
+    on a group comm does not stage for.
+    """
+    pg = resolve_group(group)
+    backend = _staging_backend(pg)
+    if backend is not None:
+        STAGING.load().adopt_thread(backend)
+
+
+def communicators(group: Optional[dist.ProcessGroup] = None) -> Dict[str, Dict[str, int]]:
+    """The communicators comm has made, per group name and kind: ``{"0": {"hccl": 1, "gloo": 0}}``.
+
+    One entry per equipped group this rank belongs to (``group`` alone where given): the
+    communicator of the group's kind comm made for staged calls from threads other than
+    the group's (0 until such a thread stages), and the gloo one for CPU reductions the
+    group's backend cannot run (0 until the first). The group's own backend, on which
+    its thread's staged calls run, is not comm's and not counted. Each costs what a
+    communicator of that kind costs: on Ascend, HCCL_BUFFSIZE of device memory (200 MB
+    by default) and a watchdog thread, and 40 MB more per point-to-point peer.
+    """
+    groups = [resolve_group(group)] if group is not None else existing_groups()
+    counts: Dict[str, Dict[str, int]] = {}
+    for pg in groups:
+        backend = _staging_backend(pg)
+        if backend is None:
+            continue
+        made = STAGING.load().communicators_made(backend)
+        target = STAGING.load().staging_target(backend)
+        kind = _backend_names(pg).get(target.type) or c10d.get_backend(pg)
+        entry = counts.setdefault(pg.group_name, {})
+        entry[str(kind)] = entry.get(str(kind), 0) + int(made.get("collectives", 0))
+        if target.type != "cpu":
+            entry["gloo"] = entry.get("gloo", 0) + int(made.get("cpu", 0))
+    return counts
+
+
+def _staging_backend(pg: dist.ProcessGroup) -> Any:
+    """comm's backend on ``pg``, or None."""
+    if not STAGING.is_loaded():
+        return None
+    native = STAGING.load()
+    for device in pg._device_types:
+        backend = pg._get_backend(device)
+        if native.staging_target(backend) is not None:
+            return backend
+    return None
 
 
 def staged_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
@@ -208,20 +271,24 @@ def _backend_names(pg: dist.ProcessGroup) -> Dict[str, str]:
 
 
 def _communicator_factory(pg: dist.ProcessGroup, target: torch.device) -> Callable[[], Any]:
-    """A function that makes the staging communicator: a new backend like the group's for ``target``.
+    """A function that makes comm's communicator: a new backend like the group's for ``target``, with its options.
 
     It holds the group by weak reference (the group holds the staging backend, which
-    holds this function), and reads the group's store and ranks when it runs: at the
-    first staged call, after c10d has finished registering the group.
+    holds this function), and reads the group's store, ranks and options when it runs:
+    at the first staged call from a thread other than the group's, after c10d has
+    finished registering the group.
     """
     name = _backend_names(pg).get(target.type) or c10d.get_backend(pg)
-    timeout = _timeout(pg, target)
     group = weakref.ref(pg)
 
     def make() -> Any:
         made, store = _group_and_store(group, _STORE_PREFIX)
         ranks = dist.get_process_group_ranks(made)
-        return _new_backend(name, store, made.rank(), made.size(), timeout, ranks, f"{made.group_name}:{_STORE_PREFIX}")
+        options = backend_options(made._get_backend(target))
+        _LOG.info("comm makes a %s communicator for staged calls from another thread on group %r", name,
+                  made.group_name)
+        return _new_backend(name, store, made.rank(), made.size(), _timeout(made, target), ranks,
+                            f"{made.group_name}:{_STORE_PREFIX}", options)
 
     return make
 
@@ -260,13 +327,17 @@ def _timeout(pg: dist.ProcessGroup, target: torch.device) -> datetime.timedelta:
 
 
 def _new_backend(name: str, store: Any, rank: int, size: int, timeout: datetime.timedelta, ranks: List[int],
-                 group_name: str) -> Any:
-    """A backend of kind ``name`` for these ranks, made as c10d's ``_new_process_group_helper`` makes a group's."""
+                 group_name: str, like: Any = None) -> Any:
+    """A backend of kind ``name`` for these ranks, made as c10d's ``_new_process_group_helper`` makes a group's.
+
+    ``like``: the group's own backend's options, copied (never shared: the creators
+    write the new group's name and ranks into the options they are given).
+    """
     if name == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if name in ("nccl", "xccl"):  # torch's accelerator backends take the same options
         kind = getattr(dist, f"ProcessGroup{name.upper()}")
-        options: Any = kind.Options()
+        options: Any = _options_like(like, group_name, kind.Options)
         options._timeout, options.global_ranks_in_group, options.group_name = timeout, ranks, group_name
         return kind(store, rank, size, options)
     plugin = dist.Backend._plugins.get(name.upper())
@@ -277,4 +348,37 @@ def _new_backend(name: str, store: Any, rank: int, size: int, timeout: datetime.
     extended: Any = c10d._DistributedBackendOptions()  # type: ignore[attr-defined]
     extended.store, extended.group_rank, extended.group_size = store, rank, size
     extended.timeout, extended.group_id, extended.global_ranks_in_group = timeout, group_name, ranks
-    return plugin.creator_fn(extended, None)
+    return plugin.creator_fn(extended, _options_like(like, group_name))
+
+
+# What a copy of a backend's options keeps: HCCL's hccl_config (buffer size, QoS, expansion
+# mode), NCCL's config (its NCCLConfig: CTAs, cga cluster size, net name) and stream priority.
+_OPTION_FIELDS = ("hccl_config", "config", "is_high_priority_stream")
+
+
+def _options_like(options: Any, group_name: str, default: Optional[Callable[[], Any]] = None) -> Any:
+    """A new options object of ``options``' type with its settings, for a communicator named ``group_name``.
+
+    ``default()`` (or None) where ``options`` is None or its type cannot be made empty.
+    An ``hccl_config`` that names the group gets ``group_name`` instead: HCCL names the
+    communicator after it.
+    """
+    if options is None:
+        return default() if default is not None else None
+    try:
+        made = type(options)()
+    except (TypeError, RuntimeError):
+        _LOG.warning("comm cannot copy options of type %s; its communicator gets default options",
+                     type(options).__name__)
+        return default() if default is not None else None
+    for field in _OPTION_FIELDS:
+        if not hasattr(options, field):
+            continue
+        value = getattr(options, field)
+        if field == "hccl_config" and isinstance(value, dict):
+            value = {key: (group_name if key == "group_name" else item) for key, item in value.items()}
+        try:
+            setattr(made, field, value)
+        except (AttributeError, TypeError) as error:
+            _LOG.warning("comm cannot copy option %s to its communicator: %s", field, error)
+    return made

@@ -128,7 +128,8 @@ def _integer_avg_on_a_communicator_named_nccl(rank, world_size):
     store = dist.FileStore(__import__("os").environ["COMM_TEST_STORE"] + "-nccl", world_size)
     host = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=30))
     named_nccl = SIMULATED.load().make_backend(host, "nccl", {}, True)
-    staging = STAGING.load().staging_backend(rank, world_size, torch.device("npu", rank), lambda: named_nccl)
+    staging = STAGING.load().staging_backend(rank, world_size, torch.device("npu", rank), None,
+                                             lambda: named_nccl)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.AVG
     # gloo underneath then divides in floating point: its error, not comm's refusal, says AVG reached it.

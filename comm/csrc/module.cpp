@@ -9,14 +9,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace comm_native;
   m.def(
       "staging_backend",
-      [](int rank, int size, c10::Device target, CommunicatorFactory factory,
+      [](int rank, int size, c10::Device target, std::optional<BackendPtr> own, CommunicatorFactory factory,
          CommunicatorFactory cpuFactory) -> BackendPtr {
-        return c10::make_intrusive<StagingBackend>(rank, size, target, std::move(factory), std::move(cpuFactory));
+        return c10::make_intrusive<StagingBackend>(rank, size, target, own ? *own : BackendPtr(), std::move(factory),
+                                                   std::move(cpuFactory));
       },
-      pybind11::arg("rank"), pybind11::arg("size"), pybind11::arg("target"), pybind11::arg("communicator"),
-      pybind11::arg("cpu_communicator") = pybind11::none(),
-      "A c10d Backend that stages each call onto `target` and runs it on the backend `communicator()` makes; "
-      "CPU reductions of dtypes that backend cannot reduce run on the gloo backend `cpu_communicator()` makes.");
+      pybind11::arg("rank"), pybind11::arg("size"), pybind11::arg("target"), pybind11::arg("own"),
+      pybind11::arg("communicator"), pybind11::arg("cpu_communicator") = pybind11::none(),
+      "A c10d Backend that stages each call onto `target` and runs it on `own` (the group's backend there) "
+      "from the calling thread, on the backend `communicator()` makes from any other thread; CPU reductions of "
+      "dtypes those cannot reduce run on the gloo backend `cpu_communicator()` makes.");
+  m.def(
+      "communicators_made",
+      [](const BackendPtr& backend) -> std::map<std::string, int64_t> {
+        auto* staging = dynamic_cast<StagingBackend*>(backend.get());
+        if (staging == nullptr) return {};
+        return staging->communicatorsMade();
+      },
+      "How many communicators a staging backend has made, by use: {'collectives': n, 'cpu': n}.");
+  m.def(
+      "adopt_thread",
+      [](const BackendPtr& backend) {
+        auto* staging = dynamic_cast<StagingBackend*>(backend.get());
+        TORCH_CHECK(staging != nullptr, "not comm's staging backend");
+        staging->adoptThread();
+      },
+      "Staged calls from the calling thread run on the group's own backend from now on.");
   m.def("staging_target", [](const BackendPtr& backend) -> std::optional<c10::Device> {
     auto* staging = dynamic_cast<StagingBackend*>(backend.get());
     if (staging == nullptr) return std::nullopt;

@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -180,12 +181,25 @@ class StagedCall {
 };
 
 // ---- staging_backend.cpp and calls.cpp: the backend.
+//
+// Which communicator a staged call runs on depends on the thread that makes it:
+// * the group's thread (the thread that made this backend: equip() runs where the
+//   group is created, or where comm.equip() is called) runs staged calls on the
+//   group's own backend for the target device (`own`), the communicator its calls on
+//   that device already use, in the order that thread issues them;
+// * any other thread (dcp.async_save's, a DDP hook on autograd's device thread) runs
+//   them on a communicator comm makes at that thread's first staged call (`factory`),
+//   so that they never interleave with the group's thread's calls on the group's own.
+// Without `own` every thread uses the made communicator.
 class StagingBackend final : public c10d::Backend {
  public:
-  // `cpuFactory` (may be empty): makes a gloo communicator over the group's store, for
-  // CPU reductions of dtypes the group's backend cannot reduce (made at the first one).
-  StagingBackend(int rank, int size, at::Device target, CommunicatorFactory factory,
+  // `own` (may be null): the group's own backend for the target device. `factory`
+  // makes the communicator of other threads. `cpuFactory` (may be empty): makes a gloo
+  // communicator over the group's store, for CPU reductions of dtypes the group's
+  // backend cannot reduce (made at the first one).
+  StagingBackend(int rank, int size, at::Device target, BackendPtr own, CommunicatorFactory factory,
                  CommunicatorFactory cpuFactory = nullptr);
+  // A backend split from another: every thread runs on `communicator`, comm's own.
   StagingBackend(int rank, int size, at::Device target, BackendPtr communicator);
 
   const std::string getBackendName() const override { return "comm"; }
@@ -227,6 +241,10 @@ class StagingBackend final : public c10d::Backend {
 
   // Where staged calls run; a device without an index until the first staged call fixes it.
   at::Device target() const;
+  // How many communicators this backend has made: "collectives" (other threads'), "cpu" (gloo).
+  std::map<std::string, int64_t> communicatorsMade() const;
+  // Makes the calling thread the group's thread (see the class comment).
+  void adoptThread();
 
  private:
   // A reduction's facts that decide where it runs: its c10d function (the group's
@@ -242,16 +260,26 @@ class StagingBackend final : public c10d::Backend {
   // communicator, or is refused before anything is copied.
   WorkPtr stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run,
                 const Reduction* reduction = nullptr);
-  // The communicator staged calls run on, made at the first one; fixes the target then.
+  // The communicator the calling thread's staged calls run on: the group's own backend on
+  // the group's thread, else comm's, made at the first such call. Fixes the target at
+  // the first staged call.
   c10d::Backend& communicator();
+  // Whether the calling thread is the group's thread and the group's own backend serves it.
+  bool onOwn() const;
+  // comm's communicator for threads other than the group's; made at the first call.
+  c10d::Backend& madeCommunicator();
+  void fixTarget();
   // The gloo communicator for CPU reductions the group's backend cannot run; made at the first.
   c10d::Backend& cpuCommunicator();
-  // The communicators made so far.
+  // The communicators comm made so far (never the group's own: c10d aborts, shuts down
+  // and times out that one itself).
   std::vector<BackendPtr> communicators() const;
 
   // Guards every field below: staged calls come from any thread (dcp.async_save's too).
   mutable std::mutex mutex_;
   at::Device target_;
+  BackendPtr own_;
+  std::thread::id owner_;
   CommunicatorFactory factory_;
   BackendPtr communicator_;
   CommunicatorFactory cpuFactory_;
@@ -259,7 +287,11 @@ class StagingBackend final : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   // Between startCoalescing and endCoalescing: the works and write-backs issued so far;
   // works of calls that ran on the CPU communicator, outside the communicator's block, apart.
+  // A block is the thread's that opened it, on that thread's communicator: calls from
+  // other threads meanwhile run outside it.
   bool coalescing_ = false;
+  std::thread::id coalescingThread_;
+  c10d::Backend* coalescingComm_ = nullptr;
   bool communicatorCoalesces_ = false;
   std::vector<WorkPtr> coalescedWorks_;
   std::vector<WorkPtr> coalescedCpuWorks_;

@@ -1,5 +1,6 @@
-// The staging backend itself: its communicator and target device, made and fixed at the
-// first staged call; the four steps every call goes through; coalescing blocks; split.
+// The staging backend itself: which communicator a thread's staged calls run on (the
+// group's own on the group's thread, comm's made one elsewhere), the target device fixed
+// at the first staged call; the four steps every call goes through; coalescing blocks; split.
 #include <algorithm>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -9,28 +10,53 @@
 
 namespace comm_native {
 
-StagingBackend::StagingBackend(int rank, int size, at::Device target, CommunicatorFactory factory,
+StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr own, CommunicatorFactory factory,
                                CommunicatorFactory cpuFactory)
-    : Backend(rank, size), target_(target), factory_(std::move(factory)), cpuFactory_(std::move(cpuFactory)),
-      timeout_(kBackendDefaultTimeout) {}
+    : Backend(rank, size), target_(target), own_(std::move(own)), owner_(std::this_thread::get_id()),
+      factory_(std::move(factory)), cpuFactory_(std::move(cpuFactory)), timeout_(kBackendDefaultTimeout) {}
 
 StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr communicator)
-    : Backend(rank, size), target_(target), communicator_(std::move(communicator)),
-      timeout_(kBackendDefaultTimeout) {}
+    : Backend(rank, size), target_(target), owner_(std::this_thread::get_id()),
+      communicator_(std::move(communicator)), timeout_(kBackendDefaultTimeout) {}
 
 at::Device StagingBackend::target() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return target_;
 }
 
+void StagingBackend::adoptThread() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  owner_ = std::this_thread::get_id();
+}
+
+std::map<std::string, int64_t> StagingBackend::communicatorsMade() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {{"collectives", communicator_ ? 1 : 0}, {"cpu", cpuCommunicator_ ? 1 : 0}};
+}
+
+void StagingBackend::fixTarget() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!target_.has_index() && !target_.is_cpu()) {
+    // The device the first staged call's thread is on: fixed from then on, for
+    // every thread (a checkpoint's background thread starts on device 0).
+    target_ = c10::impl::getDeviceGuardImpl(target_.type())->getDevice();
+  }
+}
+
+bool StagingBackend::onOwn() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return own_ && std::this_thread::get_id() == owner_;
+}
+
 c10d::Backend& StagingBackend::communicator() {
+  fixTarget();
+  if (onOwn()) return *own_; // own_ is set once, at construction, and held while the backend lives
+  return madeCommunicator();
+}
+
+c10d::Backend& StagingBackend::madeCommunicator() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!communicator_) {
-    if (!target_.has_index() && !target_.is_cpu()) {
-      // The device the first staged call's thread is on: fixed from then on, for
-      // every thread (a checkpoint's background thread starts on device 0).
-      target_ = c10::impl::getDeviceGuardImpl(target_.type())->getDevice();
-    }
     TORCH_CHECK(factory_, "comm's staging backend has no communicator");
     communicator_ = factory_();
     factory_ = nullptr; // drop what the factory holds (Python objects) once it has made the communicator
@@ -138,7 +164,7 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
   call.issued();
   auto back = call.writeBack();
   std::lock_guard<std::mutex> lock(mutex_);
-  if (coalescing_) {
+  if (coalescing_ && coalescingThread_ == std::this_thread::get_id()) {
     coalescedBacks_.push_back(back);
     if (work) (own ? coalescedWorks_ : coalescedCpuWorks_).push_back(work);
     if (communicatorCoalesces_ && own) return doneWork();
@@ -149,6 +175,8 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
 }
 
 void StagingBackend::startCoalescing() {
+  // The block is the calling thread's, on its communicator: on the group's thread the
+  // group's own backend, whose block then holds these calls as it would the group's own.
   auto& comm = communicator();
   std::lock_guard<std::mutex> lock(mutex_);
   if (coalescing_) {
@@ -157,33 +185,37 @@ void StagingBackend::startCoalescing() {
     coalescedWorks_.clear();
     coalescedCpuWorks_.clear();
     coalescedBacks_.clear();
-    if (communicatorCoalesces_) comm.endCoalescing();
+    if (communicatorCoalesces_ && coalescingComm_ != nullptr) coalescingComm_->endCoalescing();
   }
   coalescing_ = true;
+  coalescingThread_ = std::this_thread::get_id();
+  coalescingComm_ = &comm;
   communicatorCoalesces_ = comm.supportsCoalescing();
   if (communicatorCoalesces_) comm.startCoalescing();
 }
 
 WorkPtr StagingBackend::endCoalescing() {
-  auto& comm = communicator();
   std::vector<WorkPtr> works;
   std::vector<WorkPtr> cpuWorks;
   std::vector<std::shared_ptr<WriteBack>> backs;
   bool coalesces = false;
+  c10d::Backend* comm = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(coalescing_, "comm's staging backend: endCoalescing without startCoalescing");
     coalescing_ = false;
     coalesces = communicatorCoalesces_;
+    comm = coalescingComm_;
+    coalescingComm_ = nullptr;
     works.swap(coalescedWorks_);
     cpuWorks.swap(coalescedCpuWorks_);
     backs.swap(coalescedBacks_);
   }
-  if (coalesces) {
+  if (coalesces && comm != nullptr) {
     // A communicator that coalesces returns one work for the calls that joined its block,
     // or none where none joined: HCCL's plain calls (and so comm's flattened coalesced
     // all-reduce) run outside its block, each with a work of its own to wait for.
-    auto work = comm.endCoalescing();
+    auto work = comm->endCoalescing();
     if (work) works = {work};
   }
   works.insert(works.end(), cpuWorks.begin(), cpuWorks.end()); // run outside the communicator's block
@@ -194,7 +226,10 @@ WorkPtr StagingBackend::endCoalescing() {
 
 BackendPtr StagingBackend::split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
                                  const c10::intrusive_ptr<Options>& opts) {
-  auto& comm = communicator();
+  // From comm's communicator, not the group's own backend: c10d splits that one itself, for
+  // the new group's own slot, and the split backend here has no group to find it in.
+  auto& comm = madeCommunicator();
+  fixTarget();
   // A store of its own: the group's own backend splits with the same store and keys.
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("comm-staging", store);
   auto part = comm.split(prefixed, ranks, comm.getBackendOptions());
