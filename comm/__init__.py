@@ -46,7 +46,7 @@ from comm.norm import clip_grad_norm_, total_norm
 from comm.observability import reset_stats, stats
 from comm.patch import is_patched, patch, patched, unpatch
 from comm.profiler import Profile, profile, profile_if_asked
-from comm.slot import equip, staged_types, staging_device, unavailable_reason
+from comm.slot import adopt_thread, communicators, equip, staged_types, staging_device, unavailable_reason
 
 # The one place the version is written: setup.cfg reads it (version = attr: comm.__version__).
 __version__ = "0.2.0"
@@ -57,6 +57,7 @@ __all__ = [
     "P2POp",
     "Profile",
     "accelerator_type",
+    "adopt_thread",
     "all_gather",
     "all_gather_coalesced",
     "all_gather_into_tensor",
@@ -70,6 +71,7 @@ __all__ = [
     "bind",
     "broadcast",
     "clip_grad_norm_",
+    "communicators",
     "current_device",
     "default_backend",
     "device_types",
