@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -37,9 +38,7 @@ from torch.distributed.distributed_c10d import _world
 from comm import fallback, gaps, slot
 
 # torch's private names this module uses, each because no public API does the job:
-#   distributed_c10d._world._default_pg, .pg_map: the default group without a Python
-#     call per call, and the groups c10d holds (a learnt group is forgotten once c10d
-#     no longer holds it);
+#   distributed_c10d._world._default_pg: the default group, without a Python call;
 #   c10d_logger._exception_logger, _get_msg_dict, _c10d_logger: torch's wrapper of each
 #     collective, whose place comm's function takes, logging a failure as it does.
 
@@ -110,12 +109,21 @@ TORCH: Dict[str, Callable[..., Any]] = _TorchFunctions(
 # call of each name on each group: the group is ready (equipped, so c10d routes every
 # device), and no gap of the call applies there (SERVED), or none when the call passes
 # the gap's sparing value (SPARED: ReduceOp.SUM where the group's backend lacks AVG).
-# Keyed by the group itself, a dict read per call; only groups c10d holds (it keeps
-# them until destroy_process_group), each forgotten once c10d no longer holds it.
-_SERVED: Dict[str, Dict[Any, bool]] = {name: {} for name in COLLECTIVES}
-_SPARED: Dict[str, Dict[Any, bool]] = {name: {} for name in COLLECTIVES}
-_LEARNT = threading.Lock()
-_NOT_LEARNT = object()  # what a function's served_default and spared_default hold before the default group is learnt
+# Keyed by id(group) beside a weak reference whose callback removes the entry when the
+# group is collected (before its id can name another object): comm keeps no group
+# alive. Each function also holds a weak reference to the default group it learnt
+# (served_default, spared_default in its namespace): an identity test per call.
+_SERVED: Dict[str, Dict[int, Any]] = {name: {} for name in COLLECTIVES}
+_SPARED: Dict[str, Dict[int, Any]] = {name: {} for name in COLLECTIVES}
+_LEARNT = threading.RLock()  # reentrant: a collection inside _learn may run _forget
+
+
+class _NotLearnt:
+    """What a function's weak reference to its default group gives before it learns one: no group."""
+
+
+_NOT_LEARNT = _NotLearnt()
+_NOT_LEARNT_REF = weakref.ref(_NOT_LEARNT)
 _EXPLICIT: Dict[str, Callable[..., Any]] = {}
 # Inside torch.compile, comm's calls are torch's: dynamo maps torch's own function (by
 # identity) to a functional collective. A folded constant to dynamo, one Python call
@@ -158,13 +166,10 @@ def _source(name: str, parameters: List[inspect.Parameter]) -> str:
         spare = f"{gap.spared_by[0]} is spare" if gap is not None and gap.spared_by is not None else ""
         lines += [
             "    if group is None:  # the default group: learnt once, an identity test",
-            "        fast = world._default_pg is served_default" + (
-                f" or ({spare} and world._default_pg is spared_default)" if spare else ""),
+            "        fast = world._default_pg is served_default()" + (
+                f" or ({spare} and world._default_pg is spared_default())" if spare else ""),
             "    else:",
-            "        try:",
-            "            fast = group in served" + (f" or ({spare} and group in spared)" if spare else ""),
-            "        except TypeError:  # an unhashable group: torch's call says what is wrong",
-            "            fast = False",
+            "        fast = id(group) in served" + (f" or ({spare} and id(group) in spared)" if spare else ""),
             f"    if fast{same}:",
             "        try:",
             f"            return target({positional})",
@@ -215,7 +220,7 @@ def _explicit(name: str) -> Callable[..., Any]:
         "torch_function": torch_call, "given": _given, "general": functools.partial(_general, name),
         "defaults": {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty},
         "served": _SERVED[name],
-        "spared": _SPARED[name], "served_default": _NOT_LEARNT, "spared_default": _NOT_LEARNT, "world": _world,
+        "spared": _SPARED[name], "served_default": _NOT_LEARNT_REF, "spared_default": _NOT_LEARNT_REF, "world": _world,
         "compiling": _dynamo_compiling, "Tensor": torch.Tensor,
         "spare": gap.spared_by[1] if gap is not None and gap.spared_by is not None else None,
         **{f"default_{p.name}": p.default for p in parameters if p.default is not inspect.Parameter.empty},
@@ -261,10 +266,9 @@ def _general(name: str, **kwargs: Any) -> Any:
 
 def _learn(name: str, group: Any, gap: Optional[gaps.Gap]) -> None:
     """Record that calls of ``name`` on ``group`` (ready) need no check: always, or when they pass the gap's
-    sparing value. Only groups c10d holds; those it no longer holds are forgotten here."""
+    sparing value; until the group is collected."""
     pg = _world._default_pg if group is None else group
-    registered = _world.pg_map
-    if pg in _SERVED[name] or pg in _SPARED[name] or not isinstance(pg, dist.ProcessGroup) or pg not in registered:
+    if not isinstance(pg, dist.ProcessGroup) or id(pg) in _SERVED[name] or id(pg) in _SPARED[name]:
         return
     if gap is None or not gap.needed_on(pg):
         table, default = _SERVED[name], "served_default"
@@ -273,16 +277,22 @@ def _learn(name: str, group: Any, gap: Optional[gaps.Gap]) -> None:
     else:
         return
     with _LEARNT:
-        for learnt in (*_SERVED.values(), *_SPARED.values()):
-            for destroyed in [known for known in learnt if known not in registered]:
-                del learnt[destroyed]
-        for explicit in _EXPLICIT.values():
-            for slot_name in ("served_default", "spared_default"):
-                if explicit.__globals__[slot_name] not in registered:
-                    explicit.__globals__[slot_name] = _NOT_LEARNT
-        table[pg] = True
+        table[id(pg)] = weakref.ref(pg, functools.partial(_forget, table, id(pg)))
         if pg is _world._default_pg:
-            _EXPLICIT[name].__globals__[default] = pg
+            namespace = _EXPLICIT[name].__globals__
+            namespace[default] = weakref.ref(pg, functools.partial(_forget_default, namespace, default))
+
+
+def _forget(table: Dict[int, Any], key: int, collected: Any) -> None:
+    with _LEARNT:
+        if table.get(key) is collected:
+            del table[key]
+
+
+def _forget_default(namespace: Dict[str, Any], default: str, collected: Any) -> None:
+    with _LEARNT:
+        if namespace[default] is collected:
+            namespace[default] = _NOT_LEARNT_REF
 
 
 def _fill(gap: gaps.Gap, torch_call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

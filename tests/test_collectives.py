@@ -454,25 +454,25 @@ def one_rank_gloo(tmp_path):
         dist.destroy_process_group()
 
 
-def test_a_group_is_learnt_at_its_first_call_and_forgotten_once_destroyed(one_rank_gloo):
-    """The first call of a name on a group checks everything and learns the group; comm holds a group no longer
-    than c10d does: once destroyed, it is forgotten at the next first call and can be collected."""
+def test_a_group_is_learnt_at_its_first_call_and_forgotten_once_collected(one_rank_gloo):
+    """The first call of a name on a group checks everything and learns the group; comm keeps no group alive: a
+    destroyed group is collected and forgotten, and the next default group is learnt in its turn."""
     tensor = torch.ones(2)
     comm.all_reduce(tensor)
     other = dist.new_group([0])
     comm.all_reduce(tensor, group=other)
-    assert {one_rank_gloo, other} <= set(collectives._SERVED["all_reduce"])
+    assert {id(one_rank_gloo), id(other)} <= set(collectives._SERVED["all_reduce"])
     dist.destroy_process_group(other)
     collected = weakref.ref(other)
     del other
-    comm.broadcast(tensor, src=0)  # broadcast's first call on the world group
     gc.collect()
     assert collected() is None
-    assert list(collectives._SERVED["all_reduce"]) == [one_rank_gloo]
+    assert list(collectives._SERVED["all_reduce"]) == [id(one_rank_gloo)]
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert comm.all_reduce.__globals__["served_default"]() is not dist.group.WORLD
     comm.all_reduce(tensor)  # the new default group, learnt in its turn
-    assert list(collectives._SERVED["all_reduce"]) == [dist.group.WORLD]
+    assert id(dist.group.WORLD) in collectives._SERVED["all_reduce"]
     assert torch.equal(tensor, torch.ones(2))
 
 
