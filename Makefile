@@ -90,6 +90,7 @@ lint: $(VENV)/.lint-installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/explicit_call.py
 	$(PY) benchmarks/clip_grad.py
 	$(PY) benchmarks/compiled.py
 	$(PY) benchmarks/translate.py

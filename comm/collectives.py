@@ -13,18 +13,34 @@ c10d hands whole to the backend of the input's device.
 
 :data:`COLLECTIVES` describes each call once: the arguments it reads and those it
 writes. Everything else about a call is torch's.
+
+What a call costs over torch's own: each function is written at import from its row
+of the table and torch's signature (no per-call binding). A call on a group whose
+facts it has learnt (the group is equipped, and no gap of the call can apply there:
+:data:`_SERVED`, :data:`_SPARED`, learnt at the first call of each name on each group)
+is one identity test or dict read and torch's function; a call whose tensors could
+lie on different devices adds one device comparison. Every other call takes
+:func:`_general`, which checks everything as before.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Dict, NamedTuple, Tuple
+import threading
+import weakref
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _world
 
 from comm import fallback, gaps, slot
+
+# torch's private names this module uses, each because no public API does the job:
+#   distributed_c10d._world._default_pg: the default group, without a Python call;
+#   c10d_logger._exception_logger, _get_msg_dict, _c10d_logger: torch's wrapper of each
+#     collective, whose place comm's function takes, logging a failure as it does.
 
 
 class Collective(NamedTuple):
@@ -65,49 +81,229 @@ COLLECTIVES: Dict[str, Collective] = {
 # torch.distributed's own function for each, captured at import. Where this torch
 # lacks the *_single names (before 2.12), their older names stand in.
 _OLDER_NAMES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
-TORCH: Dict[str, Callable[..., Any]] = {
-    name: getattr(dist, name, None) or getattr(dist, _OLDER_NAMES.get(name, name)) for name in COLLECTIVES
-}
+
+
+class _TorchFunctions(Dict[str, Callable[..., Any]]):
+    """The function each of comm's calls runs, by name: torch's own, or what comm.profile() puts in its place.
+
+    Assigning an entry (``TORCH[name] = timed``, as the profiler does while a profile
+    is open; assigning torch's function back ends it) also points comm's ``name`` at
+    it: item assignment is the one way to change an entry.
+    """
+
+    def __setitem__(self, name: str, function: Callable[..., Any]) -> None:
+        if name not in self:
+            raise KeyError(f"comm has no call named {name!r}")
+        super().__setitem__(name, function)
+        explicit = _EXPLICIT.get(name)
+        if explicit is not None:
+            namespace = explicit.__globals__
+            namespace["target"], namespace["logs"] = _body(function)
+            namespace["torch_function"] = function
+
+
+TORCH: Dict[str, Callable[..., Any]] = _TorchFunctions(
+    {name: getattr(dist, name, None) or getattr(dist, _OLDER_NAMES.get(name, name)) for name in COLLECTIVES})
+
+# Per call and group, the facts that let a call skip comm's checks, learnt at the first
+# call of each name on each group: the group is ready (equipped, so c10d routes every
+# device), and no gap of the call applies there (SERVED), or none when the call passes
+# the gap's sparing value (SPARED: ReduceOp.SUM where the group's backend lacks AVG).
+# Keyed by id(group) beside a weak reference whose callback removes the entry when the
+# group is collected (before its id can name another object): comm keeps no group
+# alive. Each function also holds a weak reference to the default group it learnt
+# (served_default, spared_default in its namespace): an identity test per call.
+_SERVED: Dict[str, Dict[int, Any]] = {name: {} for name in COLLECTIVES}
+_SPARED: Dict[str, Dict[int, Any]] = {name: {} for name in COLLECTIVES}
+_LEARNT = threading.RLock()  # reentrant: a collection inside _learn may run _forget
+
+
+class _NotLearnt:
+    """What a function's weak reference to its default group gives before it learns one: no group."""
+
+
+_NOT_LEARNT = _NotLearnt()
+_NOT_LEARNT_REF = weakref.ref(_NOT_LEARNT)
+_EXPLICIT: Dict[str, Callable[..., Any]] = {}
+# Inside torch.compile, comm's calls are torch's: dynamo maps torch's own function (by
+# identity) to a functional collective. A folded constant to dynamo, one Python call
+# otherwise (torch.compiler.is_compiling makes two).
+_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+try:
+    import torch.distributed.c10d_logger as _c10d_logger
+
+    _LOGGER_CODE: Any = _c10d_logger._exception_logger(lambda: None).__code__
+    _c10d_logger._get_msg_dict, _c10d_logger._c10d_logger  # noqa: B018 - what comm's log calls, present
+except (ImportError, AttributeError):  # a torch whose functions are wrapped otherwise: comm calls them as they are
+    _LOGGER_CODE = None
+
+# The source of each of comm's calls, written from its row of COLLECTIVES and torch's
+# signature. A call on a group whose facts are learnt (one identity test for the
+# default group, one dict read for another; a device comparison where the call's
+# tensors could lie on different devices) runs torch's function as it is; any other
+# goes to _general, which checks everything. Where torch's function is its body
+# wrapped in torch's exception logger (c10d_logger._exception_logger), comm's function
+# takes that wrapper's place: it runs the body and logs a failure as the wrapper does,
+# so that a call through comm has as many Python frames as torch's own (c10d records
+# the Python stack of every collective; each frame costs it time). Each function has a
+# namespace of its own as its globals, read faster than a closure's cells.
+def _source(name: str, parameters: List[inspect.Parameter]) -> str:
+    """The source of comm's ``name``, whose defaults are named ``default_<parameter>`` (torch's, as objects)."""
+    names = [p.name for p in parameters]
+    signature = ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}=default_{p.name}"
+                          for p in parameters)
+    positional = ", ".join(names)
+    lines = [f"def {name}({signature}):",
+             "    if compiling():  # torch's call, which dynamo knows, and no check in the graph",
+             f"        return given(torch_function, defaults, {', '.join(f'{n}={n}' for n in names)})"]
+    if "group" in names:
+        collective = COLLECTIVES[name]
+        tensors = list(dict.fromkeys((*collective.reads, *collective.writes)))
+        # Plain tensors on one device cannot mix devices; lists of them take the general path.
+        same = "".join(f" and type({t}) is Tensor" for t in tensors) + "".join(
+            f" and {t}.device == {tensors[0]}.device" for t in tensors[1:]) if collective.mixes else ""
+        gap = gaps.GAPS.get(name)
+        spare = f"{gap.spared_by[0]} is spare" if gap is not None and gap.spared_by is not None else ""
+        lines += [
+            "    if group is None:  # the default group: learnt once, an identity test",
+            "        fast = world._default_pg is served_default()" + (
+                f" or ({spare} and world._default_pg is spared_default())" if spare else ""),
+            "    else:",
+            "        fast = id(group) in served" + (f" or ({spare} and id(group) in spared)" if spare else ""),
+            f"    if fast{same}:",
+            "        try:",
+            f"            return target({positional})",
+            "        except Exception as error:",
+            "            if logs:",
+            "                log(error, group)",
+            "            raise",
+        ]
+    # torch's exception logger describes the group a call names by keyword: hand it every argument so.
+    lines += [f"    return general({', '.join(f'{n}={n}' for n in names)})"]
+    return "\n".join(lines) + "\n"
+
+
+def _body(function: Callable[..., Any]) -> Tuple[Callable[..., Any], bool]:
+    """What comm's fast path calls for ``function``, and whether it logs the failures: torch's function body and
+    True where ``function`` is that body in torch's exception logger; else ``function`` itself and False."""
+    code = getattr(function, "__code__", None)
+    if _LOGGER_CODE is None or code is not _LOGGER_CODE:
+        return function, False
+    body: Callable[..., Any] = function.__closure__[code.co_freevars.index("func")].cell_contents  # type: ignore
+    return body, True
+
+
+def _logged(name: str) -> Callable[[Exception, Any], None]:
+    """What torch's exception logger does when the body of ``name`` fails (c10d_logger._exception_logger)."""
+
+    def log(error: Exception, group: Any) -> None:
+        msg_dict = _c10d_logger._get_msg_dict(name, group=group)
+        msg_dict["error"] = f"{error}"
+        _c10d_logger._c10d_logger.debug(msg_dict)
+
+    return log
 
 
 def _explicit(name: str) -> Callable[..., Any]:
     """comm's ``name``: torch's function, once the group it runs on is equipped, with comm's additions.
 
-    torch's function is read from :data:`TORCH` on every call: comm.profile() puts
-    a timed one there while it is open.
+    Written at import from torch's signature, with no per-call binding: a call on a
+    group whose facts are learnt (:data:`_SERVED`) is one dict read and torch's call.
     """
+    torch_call = TORCH[name]
+    signature = inspect.signature(torch_call)
+    parameters = list(signature.parameters.values())
     gap = gaps.GAPS.get(name)
-    collective = COLLECTIVES[name]
-
-    @functools.wraps(TORCH[name])
-    def explicit(*args: Any, **kwargs: Any) -> Any:
-        torch_call = TORCH[name]
-        if torch.compiler.is_compiling():
-            return torch_call(*args, **kwargs)  # dynamo turns it into a functional collective
-        call = torch_call if gap is None else functools.partial(_fill, gap, torch_call)
-        if slot.ready(fallback.group_of(name, torch_call, args, kwargs)) and not (
-                collective.mixes and fallback.mixes_devices(args, kwargs)):
-            return call(*args, **kwargs)
-        return fallback.run(name, collective, torch_call, call, args, kwargs)
-
+    target, logs = _body(torch_call)
+    namespace: Dict[str, Any] = {
+        "target": target, "logs": logs, "log": _logged(getattr(target, "__name__", name)),
+        "torch_function": torch_call, "given": _given, "general": functools.partial(_general, name),
+        "defaults": {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty},
+        "served": _SERVED[name],
+        "spared": _SPARED[name], "served_default": _NOT_LEARNT_REF, "spared_default": _NOT_LEARNT_REF, "world": _world,
+        "compiling": _dynamo_compiling, "Tensor": torch.Tensor,
+        "spare": gap.spared_by[1] if gap is not None and gap.spared_by is not None else None,
+        **{f"default_{p.name}": p.default for p in parameters if p.default is not inspect.Parameter.empty},
+    }
+    exec(compile(_source(name, parameters), f"<comm.{name}>", "exec"), namespace)  # noqa: S102 - from the table
+    explicit: Callable[..., Any] = namespace[name]
     explicit.__module__ = __name__
+    explicit.__qualname__ = name
+    explicit.__doc__ = torch_call.__doc__
     explicit.__comm_name__ = name  # type: ignore[attr-defined]
-    # torch's signature for help() and inspect, without __wrapped__: dynamo would take
-    # the wrapper for torch's own function and not trace into it.
-    explicit.__signature__ = inspect.signature(TORCH[name])  # type: ignore[attr-defined]
-    del explicit.__wrapped__
+    # torch's signature, annotations included, for help() and inspect; no __wrapped__:
+    # dynamo would take the function for torch's own and not trace into it.
+    explicit.__signature__ = signature  # type: ignore[attr-defined]
+    _EXPLICIT[name] = explicit
     return explicit
 
 
+def _given(function: Callable[..., Any], defaults: Dict[str, Any], **arguments: Any) -> Any:
+    """``function`` called with the arguments that are not their defaults: as a caller who omitted those would.
+
+    For dynamo, which maps torch's call to a functional collective whose defaults
+    differ (isend's ``group_dst``): an argument the caller did not pass must stay unpassed.
+    """
+    return function(**{key: value for key, value in arguments.items()
+                       if key not in defaults or value is not defaults[key]})
+
+
+def _general(name: str, **kwargs: Any) -> Any:
+    """Every call of ``name`` whose facts are not learnt, or that may need comm: all checks, then torch's call."""
+    torch_call = TORCH[name]
+    if torch.compiler.is_compiling():
+        return torch_call(**kwargs)  # dynamo or export turns it into a functional collective
+    gap = gaps.GAPS.get(name)
+    collective = COLLECTIVES[name]
+    args: Tuple[Any, ...] = ()
+    group = fallback.group_of(name, torch_call, args, kwargs)
+    if slot.ready(group) and not (collective.mixes and fallback.mixes_devices(args, kwargs)):
+        _learn(name, group, gap)
+        return torch_call(**kwargs) if gap is None else gap.call(torch_call, args, kwargs)
+    call = torch_call if gap is None else functools.partial(_fill, gap, torch_call)
+    return fallback.run(name, collective, torch_call, call, args, kwargs)
+
+
+def _learn(name: str, group: Any, gap: Optional[gaps.Gap]) -> None:
+    """Record that calls of ``name`` on ``group`` (ready) need no check: always, or when they pass the gap's
+    sparing value; until the group is collected."""
+    pg = _world._default_pg if group is None else group
+    if not isinstance(pg, dist.ProcessGroup) or id(pg) in _SERVED[name] or id(pg) in _SPARED[name]:
+        return
+    if gap is None or not gap.needed_on(pg):
+        table, default = _SERVED[name], "served_default"
+    elif gap.spared_by is not None:
+        table, default = _SPARED[name], "spared_default"
+    else:
+        return
+    with _LEARNT:
+        table[id(pg)] = weakref.ref(pg, functools.partial(_forget, table, id(pg)))
+        if pg is _world._default_pg:
+            namespace = _EXPLICIT[name].__globals__
+            namespace[default] = weakref.ref(pg, functools.partial(_forget_default, namespace, default))
+
+
+def _forget(table: Dict[int, Any], key: int, collected: Any) -> None:
+    with _LEARNT:
+        if table.get(key) is collected:
+            del table[key]
+
+
+def _forget_default(namespace: Dict[str, Any], default: str, collected: Any) -> None:
+    with _LEARNT:
+        if namespace[default] is collected:
+            namespace[default] = _NOT_LEARNT_REF
+
+
 def _fill(gap: gaps.Gap, torch_call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return gap(torch_call, args, kwargs)
+    return gap.call(torch_call, args, kwargs)
 
 
 def _torch_op(op: Any) -> Any:
     """torch's isend or irecv (as torch.distributed holds it now) for comm's; any other op as it is.
 
-    Told apart by the name each of comm's calls carries: dynamo cannot tell comm's
-    wrappers apart by identity (they share one code object).
+    Told apart by the name each of comm's calls carries, which dynamo reads as it
+    traces (a P2POp built inside a compiled function).
     """
     name = getattr(op, "__comm_name__", None)
     return op if name is None else getattr(dist, name)

@@ -8,25 +8,27 @@
 * ``all_gather`` with pieces of unequal sizes, which gloo rejects: one flat
   all-gather of pieces padded to the largest, then each piece copied out.
 
-Each entry of :data:`GAPS` takes torch's function and a call's arguments, and calls
-torch's function (looked up by the caller on every call, so that comm.profile()
-can time it).
+Each entry of :data:`GAPS` is a :class:`Gap`: ``call`` takes torch's function and a
+call's arguments, and calls torch's function (looked up by the caller on every call,
+so that comm.profile() can time it); ``needed_on`` says once per group whether its
+calls can need the gap at all, and ``spared_by`` which argument value never needs
+it, so that comm's explicit calls skip the per-call check where neither holds.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from comm._releases import flat_gather
-from comm.groups import native_avg, resolve_group
+from comm.groups import backend_config, backends_by_device, native_avg, resolve_group, served_types
 from comm.work import DeferredWork
 
-__all__ = ["GAPS"]
+__all__ = ["GAPS", "Gap"]
 
 
 def _bound(call: Callable[..., Any], args: Any, kwargs: Any) -> inspect.BoundArguments:
@@ -57,11 +59,32 @@ def _asks_avg(args: Any, kwargs: Any) -> bool:
 
 
 _FLAT_GATHER = flat_gather()
-Gap = Callable[[Callable[..., Any], Tuple[Any, ...], Dict[str, Any]], Any]
+GapCall = Callable[[Callable[..., Any], Tuple[Any, ...], Dict[str, Any]], Any]
+
+
+class Gap(NamedTuple):
+    """What comm adds to one of torch's calls where a backend falls short, and where it cannot be needed."""
+
+    call: GapCall  # (torch's function, args, kwargs): the call, with the gap filled where this call needs it
+    needed_on: Callable[[dist.ProcessGroup], bool]  # whether any call on this group may need it
+    spared_by: Optional[Tuple[str, Any]] = None  # (parameter, value): a call passing this value never needs it
+
+
+def _every_group(_group: dist.ProcessGroup) -> bool:
+    return True
 
 
 def _average(kind: str, output: str) -> Gap:
     """A call with ``op=ReduceOp.AVG`` run as SUM and divide where the backend lacks AVG."""
+
+    def lacks_avg(group: dist.ProcessGroup) -> bool:
+        """Whether the backend of any device type ``group`` serves lacks AVG for ``kind`` (comm's staging backend
+        never does: it runs AVG as SUM on its copies)."""
+        try:
+            types = served_types(group) | frozenset(backends_by_device(backend_config(group)))
+        except RuntimeError:  # cannot tell what serves it: check every call
+            return True
+        return not all(native_avg(group, device_type, kind) for device_type in types)
 
     def call(torch_call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if not _asks_avg(args, kwargs):
@@ -85,7 +108,7 @@ def _average(kind: str, output: str) -> Gap:
 
         return _finished(work, async_op, divide, outputs)
 
-    return call
+    return Gap(call, lacks_avg, ("op", ReduceOp.SUM))
 
 
 def _uneven_all_gather(torch_call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -128,5 +151,5 @@ GAPS: Dict[str, Gap] = {
     "reduce_scatter": _average("reduce_scatter", "output"),
     "reduce_scatter_tensor": _average("reduce_scatter", "output"),
     "reduce_scatter_single": _average("reduce_scatter", "output"),
-    "all_gather": _uneven_all_gather,
+    "all_gather": Gap(_uneven_all_gather, _every_group),  # the pieces' sizes: known per call only
 }

@@ -1,8 +1,12 @@
 """comm.collectives: torch's results on every device, staged by comm's backend where the group needs it."""
 
 import functools
+import gc
+import inspect
 import logging
+import re
 import time
+import weakref
 from typing import Any, Callable, List
 
 import pytest
@@ -13,6 +17,7 @@ from torch.distributed import ReduceOp
 import comm
 import comm.groups
 import comm.testing
+from comm import collectives
 from comm._releases import TORCH_VERSION
 
 from faults import FAILURE_MODES, failure_problems
@@ -439,3 +444,88 @@ def test_staging_bandwidth_for_one_gib(nccl_group):
     print(f"\nstaging 1 GiB through comm.all_reduce: {staged:.3f} s ({2 * gib / staged:.1f} GiB/s moved); "
           f"pinned H2D+D2H copy: {plain:.3f} s ({2 * gib / plain:.1f} GiB/s)")
     assert torch.equal(host[:4], torch.ones(4))
+
+
+@pytest.fixture
+def one_rank_gloo(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield dist.group.WORLD
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_group_is_learnt_at_its_first_call_and_forgotten_once_collected(one_rank_gloo):
+    """The first call of a name on a group checks everything and learns the group; comm keeps no group alive: a
+    destroyed group is collected and forgotten, and the next default group is learnt in its turn."""
+    tensor = torch.ones(2)
+    comm.all_reduce(tensor)
+    other = dist.new_group([0])
+    comm.all_reduce(tensor, group=other)
+    assert {id(one_rank_gloo), id(other)} <= set(collectives._SERVED["all_reduce"])
+    dist.destroy_process_group(other)
+    collected = weakref.ref(other)
+    del other
+    gc.collect()
+    assert collected() is None
+    assert list(collectives._SERVED["all_reduce"]) == [id(one_rank_gloo)]
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert comm.all_reduce.__globals__["served_default"]() is not dist.group.WORLD
+    comm.all_reduce(tensor)  # the new default group, learnt in its turn
+    assert id(dist.group.WORLD) in collectives._SERVED["all_reduce"]
+    assert torch.equal(tensor, torch.ones(2))
+
+
+def test_a_learnt_call_fails_and_logs_as_torchs_own(one_rank_gloo, caplog):
+    """torch's exception logger records a failed collective; comm's function, which takes its place, records the
+    same, and raises the same exception."""
+    other = dist.new_group([0])
+    comm.all_reduce(torch.ones(1))
+    comm.all_reduce(torch.ones(1), group=other)  # both learnt: the calls below take the fast path
+    logger = torch.distributed.c10d_logger._c10d_logger
+    seen = {}
+    for module in (dist, comm):
+        with caplog.at_level(logging.DEBUG, logger=logger.name):
+            caplog.clear()
+            errors = [error_of(module.all_reduce, [1.0], catch=(Exception,), typed=True),
+                      error_of(functools.partial(module.all_reduce, torch.ones(1), group=other, op="sum"),
+                               catch=(Exception,), typed=True)]
+            messages = [record.getMessage() for record in caplog.records]
+            seen[module.__name__] = [re.sub(r"0x[0-9a-f]+", "0x", text or "") for text in errors + messages]
+            loggers = {record.filename for record in caplog.records}
+    assert loggers == {"collectives.py"}  # comm's fast path logged them, in the wrapper's place
+    assert seen["comm"] == seen["torch.distributed"]
+    assert len(seen["comm"]) == 4 and all(seen["comm"])
+
+
+def test_assigning_an_entry_of_torch_points_comms_call_at_it(one_rank_gloo):
+    """comm.profile() times comm's calls by assigning entries of collectives.TORCH: the first call of a name on a
+    group (the general path) and every later one (the fast path) run what the entry holds."""
+    original = collectives.TORCH["all_reduce"]
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("group", args[2] if len(args) > 2 else None))
+        return original(*args, **kwargs)
+
+    other = dist.new_group([0])
+    collectives.TORCH["all_reduce"] = spy
+    try:
+        for _ in range(2):
+            comm.all_reduce(torch.ones(1), group=other)
+    finally:
+        collectives.TORCH["all_reduce"] = original
+    comm.all_reduce(torch.ones(1), group=other)
+    assert calls == [other, other]
+    assert collectives.TORCH["all_reduce"] is original is dist.all_reduce
+
+
+def test_signatures_and_argument_errors_are_torchs():
+    for name in collectives.COLLECTIVES:
+        explicit = getattr(comm, name)
+        assert inspect.signature(explicit) == inspect.signature(collectives.TORCH[name]), name
+        assert explicit.__name__ == explicit.__qualname__ == name and explicit.__module__ == "comm.collectives"
+    for call in (lambda m: m.all_reduce(), lambda m: m.all_reduce(torch.ones(1), nope=1),
+                 lambda m: m.broadcast(torch.ones(1), 0, None, False, None, 1)):
+        errors = [error_of(call, module, catch=(TypeError,)) for module in (dist, comm)]
+        assert errors[0] and errors[1] == errors[0]
