@@ -25,7 +25,8 @@ PRIVATE_NAMES: Dict[str, str] = {
     "torch.distributed.ProcessGroup._set_group_name":
         "c10d reads a group's name from its first backend; comm's must carry it",
     "torch.distributed.distributed_c10d._world":
-        "pg_map: every group that exists, and the store each was made with (comm's communicator shares it)",
+        "pg_map: every group that exists, and the store each was made with (comm's communicator shares it); "
+        "_default_pg: the default group, read by comm's explicit calls with one attribute read",
     "torch.distributed.distributed_c10d._new_process_group_helper":
         "where c10d creates every group: comm.patch() equips each new one there",
     "torch.distributed.distributed_c10d._DistributedBackendOptions":
@@ -34,6 +35,15 @@ PRIVATE_NAMES: Dict[str, str] = {
         "a plugin backend's creator (hccl, xccl), to make comm's communicator of the group's kind",
     "torch.distributed.distributed_c10d.Work._source_rank":
         "the rank an any-source recv received from, which dist.recv returns",
+    # comm's explicit calls (comm/collectives.py) run the body of torch's function where torch
+    # wraps it in its exception logger, and log a failure as that wrapper does: a call through
+    # comm then has as many Python frames as torch's own (c10d records each call's Python stack),
+    # which keeps comm's call within 1 % of torch's. Where these change, comm calls torch's
+    # function as it is (slower, still correct).
+    "torch.distributed.c10d_logger._exception_logger":
+        "recognises torch's logging wrapper (its code object) around a collective's body",
+    "torch.distributed.c10d_logger._get_msg_dict": "the record torch's wrapper logs for a failed collective",
+    "torch.distributed.c10d_logger._c10d_logger": "the logger torch's wrapper writes that record to",
     # The device translation (comm/translate/).
     "torch._C._get_privateuse1_backend_name":
         "the name a plugin gave the PrivateUse1 device (npu, ...), without importing the plugin",
