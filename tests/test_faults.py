@@ -71,6 +71,19 @@ def _threads_on_their_own_groups(rank, world_size):
     wrong = []
 
     def worker(index):
+        # Each thread on a stream of its own, as concurrent groups need on hardware. On the
+        # device's default stream, which threads share (torch_npu as CUDA), work.wait()
+        # makes that stream wait for the collective, and every blocking copy (comm's
+        # staging copies, tensor.cpu()) synchronises it: one thread's copy then waits for
+        # the collectives of other threads' groups, and ranks whose threads run in different
+        # orders wait on each other for ever. torch says as much (new_group's "Safe
+        # concurrent usage": threads that issue collectives must order them across ranks,
+        # and async work must be waited for before another group is used); the simulated
+        # NPU deadlocks on this test without the streams, as hardware can.
+        with torch.npu.stream(torch.npu.Stream(f"npu:{rank}")):
+            _issue_and_check(index)
+
+    def _issue_and_check(index):
         pending = []
         for call in range(CALLS):
             value = float(index * 10_000 + call)

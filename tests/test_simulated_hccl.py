@@ -162,6 +162,7 @@ LATE = 1.5  # seconds rank 1 holds back its side of a collective, so that rank 0
 
 def _completion(rank, world_size):
     """Rank 1 joins each collective LATE seconds after rank 0: rank 0 sees the collective in flight."""
+    import threading
     import time
 
     from comm.testing import device_counters, reset_counters
@@ -242,6 +243,26 @@ def _completion(rank, world_size):
     work.wait()
     tensor.sum().item()
     seen["after item"] = device_counters()
+
+    # wait() makes the current stream wait. Threads share the default stream; a copy on
+    # another stream synchronises that stream only and does not wait for the collective.
+    dist.all_reduce(barrier)
+    barrier.cpu()
+    tensor = _npu(rank, [rank + 1.0])
+    other = _npu(rank, [7.0])
+    late()
+    work = dist.all_reduce(tensor, async_op=True)
+    work.wait()
+    start = time.monotonic()
+    with torch.npu.stream(torch.npu.Stream(f"npu:{rank}")):
+        seen["another stream reads"] = other.cpu().tolist()
+        seen["another stream seconds"] = time.monotonic() - start
+        seen["completed after another stream's copy"] = work.is_completed()
+    copied = {}
+    thread = threading.Thread(target=lambda: copied.update(read=other.cpu().tolist(), done=work.is_completed()))
+    thread.start()
+    thread.join()
+    seen["another thread's copy on the default stream waited"] = copied["done"]
     return seen
 
 
@@ -297,6 +318,17 @@ def test_counters_count_host_synchronisations_and_drains(completion):
         assert (seen["after synchronize"]["host_syncs"], seen["after synchronize"]["drains"]) == (4, 1)
         # sum() ran after the collective (an operator waits for its device, uncounted); item() found nothing queued
         assert (seen["after item"]["host_syncs"], seen["after item"]["drains"]) == (5, 1)
+
+
+def test_a_blocking_copy_synchronises_the_current_stream_which_threads_share(completion):
+    """WorkHCCL::wait blocks the current stream (master:ProcessGroupHCCL.cpp:1016-1021); a blocking copy synchronises
+    the current stream only (CopyKernel.cpp:125-160); a thread that sets no stream of its own is on the device's
+    default stream, which every such thread shares (torch_npu's current stream, as CUDA's)."""
+    seen = completion[0]
+    assert seen["another stream reads"] == [7.0]
+    assert seen["another stream seconds"] < LATE / 2
+    assert seen["completed after another stream's copy"] is False
+    assert seen["another thread's copy on the default stream waited"] is True
 
 
 def _memory(rank, world_size):

@@ -593,13 +593,11 @@ class SimulatedBackend final : public c10d::Backend {
   // wrapping this backend): the error the group's dispatch would have raised.
   // The communicator's stream waits for the current stream (ProcessGroupHCCL's
   // syncStreams before each collective): the collective reads and writes after what the
-  // device was told to wait for. The host waits here where hardware does not: only for
-  // what this thread told the device, so that threads whose groups wait on each other's
-  // peers never hold each other's issue (on hardware nothing blocks the host there).
+  // current stream was told to wait for. The host waits here where hardware does not.
   static at::Tensor to_host(const at::Tensor& tensor) {
     TORCH_CHECK(tensor.device().type() == kDevice, "No backend type associated with device type ",
                 tensor.device().type());
-    drain(tensor.device().index(), /*this_thread_only=*/true);
+    drain(tensor.device().index());
     return host_view(tensor);
   }
   static Tensors to_host(const Tensors& tensors) {

@@ -38,28 +38,32 @@ std::atomic<c10::StreamId> next_stream{1};
 // Bytes allocated on each device since its last empty_cache (torch.<name>.memory_reserved).
 std::array<std::atomic<int64_t>, kMaxDevices> reserved{};
 
-// ---- what each device was told to wait for ----------------------------------
+// ---- what each stream was told to wait for ----------------------------------
 //
 // Operators run on the host when called, so the only work queued on a device is a
 // collective some stream was told to wait for (WorkHCCL::wait makes the current stream
 // wait for the collective's end event and returns: src@master ProcessGroupHCCL.cpp
-// :1016-1021). Every later operation that touches the device's memory waits for it
-// first, as the stream would; a read that was never ordered after the collective
-// (no wait) reads whatever is there.
+// :1016-1021). Every later operation on that stream waits for it first (the host waits
+// here, where hardware queues the operation behind it); a read that was never ordered
+// after the collective on its stream (no wait, or a wait on another stream) reads
+// whatever is there. Threads share a device's default stream (stream 0) unless they
+// set one of their own, as on torch_npu, so on the default stream one thread's copy
+// waits for the collectives another thread waited for.
 std::mutex pending_mutex;
 std::array<std::vector<CompletionPtr>, kMaxDevices> pending;
-// Which thread told the device to wait for each (a collective's issue waits only for its own thread's).
-std::array<std::vector<std::thread::id>, kMaxDevices> pending_by;
+// The stream told to wait for each.
+std::array<std::vector<c10::StreamId>, kMaxDevices> pending_stream;
 thread_local CompletionPtr recording_with;
 
-std::vector<CompletionPtr> pending_on(c10::DeviceIndex index, bool this_thread_only = false) {
+// What `stream` of device `index` waits for; every stream's when `stream` is empty.
+std::vector<CompletionPtr> pending_on(c10::DeviceIndex index, std::optional<c10::StreamId> stream = std::nullopt) {
   std::lock_guard<std::mutex> lock(pending_mutex);
-  if (!this_thread_only) return pending[index];
-  std::vector<CompletionPtr> mine;
+  if (!stream) return pending[index];
+  std::vector<CompletionPtr> on;
   for (size_t i = 0; i < pending[index].size(); ++i) {
-    if (pending_by[index][i] == std::this_thread::get_id()) mine.push_back(pending[index][i]);
+    if (pending_stream[index][i] == *stream) on.push_back(pending[index][i]);
   }
-  return mine;
+  return on;
 }
 
 c10::DeviceIndex checked(c10::DeviceIndex index) {
@@ -91,8 +95,8 @@ struct SimEvent {
   std::vector<CompletionPtr> pending;
 };
 
-void host_waits(c10::DeviceIndex index) {
-  drain(index);
+void host_waits(c10::DeviceIndex index, std::optional<c10::StreamId> stream = std::nullopt) {
+  drain_stream(index, stream);
   ++device_counters[index].host_syncs;
 }
 
@@ -128,7 +132,7 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
     auto* recorded = static_cast<SimEvent*>(*event);
     recorded->time = EventClock::now();
     recorded->index = stream.device_index();
-    recorded->pending = pending_on(recorded->index);
+    recorded->pending = pending_on(recorded->index, stream.id());
     if (recording_with) recorded->pending.push_back(recording_with);
   }
   void destroyEvent(void* event, c10::DeviceIndex) const noexcept override { delete static_cast<SimEvent*>(event); }
@@ -140,7 +144,7 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   void block(void* event, const c10::Stream& stream) const override {
     if (event == nullptr) return;
     for (const auto& done : static_cast<SimEvent*>(event)->pending) {
-      if (!done->finished()) device_waits_for(stream.device_index(), done);
+      if (!done->finished()) stream_waits_for(stream.device_index(), stream.id(), done);
     }
   }
   bool queryEvent(void* event) const override {
@@ -156,11 +160,13 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
     ++device_counters[recorded->index].host_syncs;
   }
   bool queryStream(const c10::Stream& stream) const override {
-    auto all = pending_on(stream.device_index());
+    auto all = pending_on(stream.device_index(), stream.id());
     return std::all_of(all.begin(), all.end(), [](const CompletionPtr& done) { return done->finished(); });
   }
-  // aclrtSynchronizeStream, aclrtSynchronizeDevice: the host waits for the device.
-  void synchronizeStream(const c10::Stream& stream) const override { host_waits(stream.device_index()); }
+  // aclrtSynchronizeStream: the host waits for the stream; aclrtSynchronizeDevice: for all of the device's.
+  void synchronizeStream(const c10::Stream& stream) const override {
+    host_waits(stream.device_index(), stream.id());
+  }
   void synchronizeDevice(c10::DeviceIndex index) const override { host_waits(index); }
   c10::DeviceIndex deviceCount() const noexcept override { return static_cast<c10::DeviceIndex>(device_count.load()); }
 };
@@ -545,26 +551,32 @@ void pass_autograd_through_where_torch_does_not() {
 } // namespace
 
 void device_waits_for(c10::DeviceIndex index, CompletionPtr done) {
-  std::lock_guard<std::mutex> lock(pending_mutex);
-  pending[index].push_back(std::move(done));
-  pending_by[index].push_back(std::this_thread::get_id());
+  stream_waits_for(index, current_stream[index], std::move(done));
 }
 
-bool drain(c10::DeviceIndex index, bool this_thread_only) {
-  auto waited = pending_on(index, this_thread_only);
+void stream_waits_for(c10::DeviceIndex index, c10::StreamId stream, CompletionPtr done) {
+  std::lock_guard<std::mutex> lock(pending_mutex);
+  pending[index].push_back(std::move(done));
+  pending_stream[index].push_back(stream);
+}
+
+bool drain_stream(c10::DeviceIndex index, std::optional<c10::StreamId> stream) {
+  auto waited = pending_on(index, stream);
   if (waited.empty()) return false;
   for (const auto& done : waited) done->wait();
   std::lock_guard<std::mutex> lock(pending_mutex);
   auto& now = pending[index];
-  auto& by = pending_by[index];
+  auto& on = pending_stream[index];
   for (size_t i = now.size(); i-- > 0;) {
     if (std::find(waited.begin(), waited.end(), now[i]) != waited.end()) {
       now.erase(now.begin() + static_cast<std::ptrdiff_t>(i));
-      by.erase(by.begin() + static_cast<std::ptrdiff_t>(i));
+      on.erase(on.begin() + static_cast<std::ptrdiff_t>(i));
     }
   }
   return true;
 }
+
+bool drain(c10::DeviceIndex index) { return drain_stream(index, current_stream[index]); }
 
 c10::DeviceIndex current_device() { return current_index; }
 

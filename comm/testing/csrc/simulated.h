@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -74,12 +75,20 @@ class Completion {
 };
 using CompletionPtr = std::shared_ptr<Completion>;
 
-// The device (its streams) waits for `done` before its next operation, as WorkHCCL::wait
-// makes the current stream wait for the collective's end event.
+// The calling thread's current stream on device `index` waits for `done` before its
+// next operation, as WorkHCCL::wait makes the current stream wait for the collective's
+// end event (src@master ProcessGroupHCCL.cpp:1016-1021).
 void device_waits_for(c10::DeviceIndex index, CompletionPtr done);
-// The host waits for everything device `index` was told to wait for (`this_thread_only`:
-// what this thread told it); whether there was any.
-bool drain(c10::DeviceIndex index, bool this_thread_only = false);
+// Stream `stream` of device `index` waits for `done` (aclrtStreamWaitEvent).
+void stream_waits_for(c10::DeviceIndex index, c10::StreamId stream, CompletionPtr done);
+// The host waits for what the calling thread's current stream on device `index` was
+// told to wait for: what a blocking copy synchronises (torch_npu's CopyKernel.cpp
+// :125-160 synchronises the current stream only) and what an operator on that stream
+// runs after; whether there was any.
+bool drain(c10::DeviceIndex index);
+// The host waits for what stream `stream` of device `index` was told to wait for, or
+// every stream of the device when `stream` is empty (aclrtSynchronizeDevice).
+bool drain_stream(c10::DeviceIndex index, std::optional<c10::StreamId> stream);
 // The calling thread's current simulated device.
 c10::DeviceIndex current_device();
 // While alive, events recorded on this thread also wait for `done` (a future marked
