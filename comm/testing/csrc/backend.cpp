@@ -185,8 +185,12 @@ class Stream {
   }
 
   // TearDown (src@master ProcessGroupHCCL.cpp:987-1002): log, then rethrow on the
-  // watchdog's thread, which ends the process (std::terminate).
+  // watchdog's thread, which ends the process (std::terminate). The watchdog finds the
+  // failure at its next poll, not at the instant the collective ends (its loop sleeps
+  // between polls: kWatchdogThreadSleepMillis, 100 ms, in ProcessGroupNCCL, which
+  // ProcessGroupHCCL's workCleanupLoop follows); the host runs on meanwhile.
   [[noreturn]] static void tear_down(std::exception_ptr error, int rank) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
     std::cerr << "[Rank " << rank << "] Some HCCL operations have failed or timed out. Due to the "
               << "asynchronous nature of HCCL operations, subsequent NPU operations might run on "
               << "corrupted/incomplete data. To avoid data inconsistency, we are taking the entire "
@@ -345,13 +349,11 @@ class SimulatedBackend final : public c10d::Backend {
     stream_ = std::make_unique<Stream>(model);
   }
 
-  // HcclCommDestroy gives the communicators' memory back.
-  ~SimulatedBackend() override {
-    for (const auto& [index, bytes] : charged_) {
-      device_counters[index].communicators -= 1;
-      device_counters[index].communicator_bytes -= bytes;
-    }
-  }
+  // HcclCommDestroy gives the communicators' memory back: when the group is shut down
+  // (destroy_process_group calls ProcessGroup::shutdown, which shuts each backend down;
+  // ProcessGroupHCCL's destroys its communicators), or at the latest when it is destroyed.
+  void shutdown() override { release(); }
+  ~SimulatedBackend() override { release(); }
 
   const std::string getBackendName() const override { return name_; }
 
@@ -656,6 +658,15 @@ class SimulatedBackend final : public c10d::Backend {
     device_counters[index].communicators += 1;
     device_counters[index].communicator_bytes += bytes;
     charged_.emplace_back(index, bytes);
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [index, bytes] : charged_) {
+      device_counters[index].communicators -= 1;
+      device_counters[index].communicator_bytes -= bytes;
+    }
+    charged_.clear();
+    made_.clear();
   }
   void peer(const Tensors& tensors, int rank) {
     auto index = tensors.empty() ? current_device() : tensors.front().device().index();
