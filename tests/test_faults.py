@@ -51,8 +51,10 @@ def test_a_killed_rank_fails_the_survivor_on_gloo():
 
 
 def test_a_killed_rank_fails_the_survivor_through_the_staging_path():
+    """Under HCCL's blocking wait, where wait() raises: by default HCCL's watchdog ends the survivor instead
+    (tests/test_simulated_hccl.py, test_a_failed_collective_tears_the_process_down_by_default)."""
     survivor, _ = run_ranks(_killed_mid_loop, 2, backend="hccl", simulate=NPU, args=(True,),
-                            pg_timeout=PG_TIMEOUT, expect_dead=[1], timeout=60)
+                            env={"TORCH_HCCL_BLOCKING_WAIT": "1"}, pg_timeout=PG_TIMEOUT, expect_dead=[1], timeout=60)
     _check_survivor(survivor, staged=True)
 
 
@@ -69,6 +71,19 @@ def _threads_on_their_own_groups(rank, world_size):
     wrong = []
 
     def worker(index):
+        # Each thread on a stream of its own, as concurrent groups need on hardware. On the
+        # device's default stream, which threads share (torch_npu as CUDA), work.wait()
+        # makes that stream wait for the collective, and every blocking copy (comm's
+        # staging copies, tensor.cpu()) synchronises it: one thread's copy then waits for
+        # the collectives of other threads' groups, and ranks whose threads run in different
+        # orders wait on each other for ever. torch says as much (new_group's "Safe
+        # concurrent usage": threads that issue collectives must order them across ranks,
+        # and async work must be waited for before another group is used); the simulated
+        # NPU deadlocks on this test without the streams, as hardware can.
+        with torch.npu.stream(torch.npu.Stream(f"npu:{rank}")):
+            _issue_and_check(index)
+
+    def _issue_and_check(index):
         pending = []
         for call in range(CALLS):
             value = float(index * 10_000 + call)
@@ -166,3 +181,51 @@ def test_ten_thousand_calls_do_not_grow_memory():
         assert seen[path]["bytes"] < 10_000 * 8, seen
     assert seen["cached_after"] == seen["cached_with_group"] - 1  # the destroyed group is forgotten
     assert not seen["work_holds_group"] and seen["work_result"] == [1.0, 1.0]
+
+
+_STAGED_FAILURE = r"""
+import time, torch, torch.distributed as dist
+import comm, comm.testing
+comm.testing.simulate_accelerator("npu", "hccl", device_count=1)
+dist.init_process_group("hccl", rank=0, world_size=1, store=dist.HashStore(), device_id=torch.device("npu:0"))
+tensor = torch.ones(2)  # a CPU tensor on the hccl group: comm stages it
+comm.all_reduce(tensor)
+comm.testing.fail_next("fail_async")
+try:
+    comm.all_reduce(tensor)
+    print("returned", tensor.tolist(), flush=True)
+except RuntimeError as error:
+    print("raised", str(error).splitlines()[0], tensor.tolist(), flush=True)
+time.sleep(1)  # the watchdog's time to act
+print("survived", flush=True)
+"""
+
+
+def _staged_failure(env):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", _STAGED_FAILURE], env=dict(os.environ, **env), capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_staged_call_whose_collective_fails_on_hccl_ends_the_process_by_default():
+    """HCCL's default: wait() does not raise, the watchdog tears the process down (docs/staging.md)."""
+    done = _staged_failure({})
+    assert done.returncode != 0 and "survived" not in done.stdout
+    assert "injected backend failure (on wait)" in done.stderr
+
+
+def test_without_hccls_async_error_handling_a_staged_call_writes_back_what_the_failure_left():
+    """HCCL_ASYNC_ERROR_HANDLING=0: nothing reports the failure to comm, which writes back the garbage, as a
+    hand-written copy back would (docs/staging.md: the guarantee holds only where wait() raises)."""
+    done = _staged_failure({"HCCL_ASYNC_ERROR_HANDLING": "0"})
+    assert done.returncode == 0, done.stderr
+    assert "returned [nan, nan]" in done.stdout and "survived" in done.stdout
+
+
+def test_under_hccls_blocking_wait_a_staged_call_whose_collective_fails_writes_nothing():
+    """TORCH_HCCL_BLOCKING_WAIT=1: wait() raises and comm writes nothing back."""
+    done = _staged_failure({"TORCH_HCCL_BLOCKING_WAIT": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "raised injected backend failure (on wait)" in done.stdout and "[1.0, 1.0]" in done.stdout

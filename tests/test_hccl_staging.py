@@ -127,7 +127,8 @@ def _integer_avg_on_a_communicator_named_nccl(rank, world_size):
 
     store = dist.FileStore(__import__("os").environ["COMM_TEST_STORE"] + "-nccl", world_size)
     host = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=30))
-    named_nccl = SIMULATED.load().make_backend(host, "nccl", {}, True)
+    # blocking wait (1): the divide's error raises from wait() rather than going to the watchdog
+    named_nccl = SIMULATED.load().make_backend(host, "nccl", {}, True, 1)
     staging = STAGING.load().staging_backend(rank, world_size, torch.device("npu", rank), None,
                                              lambda: named_nccl)
     options = dist.AllreduceOptions()

@@ -153,3 +153,286 @@ def test_lenient_runs_what_gloo_runs():
     for seen in run_ranks(_lenient, 2, backend="hccl", simulate=dict(NPU, lenient=True)):
         assert seen["float64"] == [3.0, 4.0] and seen["band"] == [0, 1]
         assert "PREMUL_SUM" in seen["premul_sum"]
+
+
+# ---- completion, errors and memory, as on a device ------------------------------------------
+
+LATE = 1.5  # seconds rank 1 holds back its side of a collective, so that rank 0's is still running
+
+
+def _completion(rank, world_size):
+    """Rank 1 joins each collective LATE seconds after rank 0: rank 0 sees the collective in flight."""
+    import threading
+    import time
+
+    from comm.testing import device_counters, reset_counters
+
+    seen = {}
+    barrier = torch.zeros(1, device=f"npu:{rank}")
+
+    def late():
+        if rank == 1:
+            time.sleep(LATE)
+
+    # wait() returns at once; the device, not the host, waits; a copy to the CPU waits for it.
+    tensor = _npu(rank, [rank + 1.0])
+    late()
+    work = dist.all_reduce(tensor, async_op=True)
+    start = time.monotonic()
+    work.wait()
+    seen["wait seconds"] = time.monotonic() - start
+    seen["completed after wait"] = work.is_completed()
+    seen["read after wait"] = tensor.cpu().tolist()
+    seen["completed after read"] = work.is_completed()
+    seen["read seconds"] = time.monotonic() - start
+
+    # No wait: the read is not ordered after the collective and finds the old values.
+    dist.all_reduce(barrier)
+    tensor = _npu(rank, [rank + 1.0])
+    late()
+    work = dist.all_reduce(tensor, async_op=True)
+    seen["read without wait"] = tensor.cpu().tolist()
+    work.wait()
+    seen["read after a late wait"] = tensor.cpu().tolist()
+
+    # The future is complete at enqueue; a callback's stream waits for the collective.
+    dist.all_reduce(barrier)
+    tensor = _npu(rank, [rank + 1.0])
+    late()
+    work = dist.all_reduce(tensor, async_op=True)
+    future = work.get_future()
+    seen["future done at once"] = future.done()
+    seen["future's callback reads"] = future.then(lambda done: done.value()[0].cpu().tolist()).wait()
+
+    # An event recorded after wait() completes with the collective; synchronize waits for it.
+    dist.all_reduce(barrier)
+    tensor = _npu(rank, [rank + 1.0])
+    late()
+    work = dist.all_reduce(tensor, async_op=True)
+    work.wait()
+    event = torch.Event(device=f"npu:{rank}")
+    event.record()
+    seen["event done at once"] = event.query()
+    event.synchronize()
+    seen["event done after synchronize"] = event.query() and work.is_completed()
+
+    # torch.npu.synchronize waits for what the device was told to wait for.
+    dist.all_reduce(barrier)
+    tensor = _npu(rank, [rank + 1.0])
+    late()
+    work = dist.all_reduce(tensor, async_op=True)
+    work.wait()
+    torch.npu.synchronize()
+    seen["completed after synchronize"] = work.is_completed()
+
+    # Counters: a blocking H2D copy, a collective waited for, a blocking D2H copy that drains it.
+    dist.all_reduce(barrier)
+    barrier.cpu()
+    reset_counters()
+    tensor = torch.ones(2).to(f"npu:{rank}")
+    seen["after copy in"] = device_counters()
+    dist.all_reduce(tensor)
+    seen["after all_reduce"] = device_counters()
+    tensor.cpu()
+    seen["after copy out"] = device_counters()
+    tensor.cpu()
+    seen["after a second copy out"] = device_counters()
+    torch.npu.synchronize()
+    seen["after synchronize"] = device_counters()
+    work = dist.all_reduce(tensor, async_op=True)
+    work.wait()
+    tensor.sum().item()
+    seen["after item"] = device_counters()
+
+    # wait() makes the current stream wait. Threads share the default stream; a copy on
+    # another stream synchronises that stream only and does not wait for the collective.
+    dist.all_reduce(barrier)
+    barrier.cpu()
+    tensor = _npu(rank, [rank + 1.0])
+    other = _npu(rank, [7.0])
+    late()
+    work = dist.all_reduce(tensor, async_op=True)
+    work.wait()
+    start = time.monotonic()
+    with torch.npu.stream(torch.npu.Stream(f"npu:{rank}")):
+        seen["another stream reads"] = other.cpu().tolist()
+        seen["another stream seconds"] = time.monotonic() - start
+        seen["completed after another stream's copy"] = work.is_completed()
+    copied = {}
+    thread = threading.Thread(target=lambda: copied.update(read=other.cpu().tolist(), done=work.is_completed()))
+    thread.start()
+    thread.join()
+    seen["another thread's copy on the default stream waited"] = copied["done"]
+    return seen
+
+
+@pytest.fixture(scope="module")
+def completion():
+    return run_ranks(_completion, 2, backend="hccl", simulate=NPU)
+
+
+def test_wait_orders_the_device_not_the_host(completion):
+    """WorkHCCL::wait makes the current stream wait for the end event and returns (master:ProcessGroupHCCL.cpp
+    :1016-1021); a blocking copy to the CPU synchronises the stream first (torch_npu CopyKernel.cpp:125-160)."""
+    seen = completion[0]
+    assert seen["wait seconds"] < LATE / 2
+    assert seen["completed after wait"] is False
+    assert seen["read after wait"] == [3.0]
+    assert seen["completed after read"] is True
+    assert seen["read seconds"] > LATE / 2
+
+
+def test_a_result_read_without_wait_is_stale(completion):
+    """Nothing orders a read after a collective nobody waited for (the collective runs on HCCL's stream)."""
+    seen = completion[0]
+    assert seen["read without wait"] == [1.0]
+    assert seen["read after a late wait"] == [3.0]
+
+
+def test_the_future_is_complete_at_enqueue_and_its_callback_waits_on_the_device(completion):
+    """WorkHCCL's future is marked completed at enqueue (master:ProcessGroupHCCL.cpp:4208-4212), with events on the
+    HCCL stream that a callback's stream waits for (c10's Future with devices)."""
+    seen = completion[0]
+    assert seen["future done at once"] is True
+    assert seen["future's callback reads"] == [3.0]
+
+
+def test_events_and_synchronize_wait_for_what_the_device_waits_for(completion):
+    """aclrtRecordEvent after a wait completes with the collective; NPUEvent.synchronize and torch.npu.synchronize
+    block the host until it has."""
+    seen = completion[0]
+    assert seen["event done at once"] is False
+    assert seen["event done after synchronize"] is True
+    assert seen["completed after synchronize"] is True
+
+
+def test_counters_count_host_synchronisations_and_drains(completion):
+    """A blocking copy synchronises the current stream (CopyKernel.cpp:125-160): a host synchronisation, and a drain
+    when the stream had a collective queued; synchronize() and item() wait on the device too."""
+    for seen in completion:
+        sync = {key: value for key, value in seen["after copy in"].items() if key in ("host_syncs", "drains")}
+        assert sync == {"host_syncs": 1, "drains": 0}
+        assert seen["after all_reduce"]["host_syncs"] == 1  # the plain call waits on the device only
+        assert (seen["after copy out"]["host_syncs"], seen["after copy out"]["drains"]) == (2, 1)
+        assert (seen["after a second copy out"]["host_syncs"], seen["after a second copy out"]["drains"]) == (3, 1)
+        assert (seen["after synchronize"]["host_syncs"], seen["after synchronize"]["drains"]) == (4, 1)
+        # sum() ran after the collective (an operator waits for its device, uncounted); item() found nothing queued
+        assert (seen["after item"]["host_syncs"], seen["after item"]["drains"]) == (5, 1)
+
+
+def test_a_blocking_copy_synchronises_the_current_stream_which_threads_share(completion):
+    """WorkHCCL::wait blocks the current stream (master:ProcessGroupHCCL.cpp:1016-1021); a blocking copy synchronises
+    the current stream only (CopyKernel.cpp:125-160); a thread that sets no stream of its own is on the device's
+    default stream, which every such thread shares (torch_npu's current stream, as CUDA's)."""
+    seen = completion[0]
+    assert seen["another stream reads"] == [7.0]
+    assert seen["another stream seconds"] < LATE / 2
+    assert seen["completed after another stream's copy"] is False
+    assert seen["another thread's copy on the default stream waited"] is True
+
+
+def _memory(rank, world_size):
+    from comm.testing import device_counters
+
+    seen = {"before": device_counters(), "free before": torch.npu.mem_get_info()[0],
+            "reserved before": torch.npu.memory_reserved()}
+    group = dist.new_group([0, 1])
+    seen["made"] = device_counters()  # the counters below are read for their communicator keys
+    dist.all_reduce(_npu(rank, [1.0]), group=group)
+    seen["first collective"] = device_counters()
+    dist.all_reduce(_npu(rank, [1.0]), group=group)
+    seen["second collective"] = device_counters()
+    seen["free after"] = torch.npu.mem_get_info()[0]
+    seen["reserved after"] = torch.npu.memory_reserved()
+    peer = _npu(rank, [0.0])
+    if rank == 0:
+        dist.send(peer, 1, group=group)
+        dist.send(peer, 1, group=group)
+    else:
+        dist.recv(peer, 0, group=group)
+        dist.recv(peer, 0, group=group)
+    seen["p2p"] = device_counters()
+    dist.destroy_process_group(group)
+    seen["destroyed"] = device_counters()
+    return seen
+
+
+def test_a_communicator_charges_hccl_buffsize_and_each_p2p_peer_twice_p2p_hccl_buffsize():
+    """HCCL_BUFFSIZE (200 MB by default) at a communicator's first collective; 2 x P2P_HCCL_BUFFSIZE (20 MB) per
+    point-to-point peer (torch_npu docs, environment_variable/collective_communication/; reality finding 7). HCCL
+    allocates it itself: mem_get_info sees it, the caching allocator's memory_reserved does not."""
+    mib = 1 << 20
+    for env, buffer, p2p in (({}, 200, 40), ({"HCCL_BUFFSIZE": "64", "P2P_HCCL_BUFFSIZE": "5"}, 64, 10)):
+        for seen in run_ranks(_memory, 2, backend="hccl", simulate=NPU, env=env):
+            held = seen["before"]["communicator_bytes"]
+            count = seen["before"]["communicators"]
+            assert seen["made"]["communicators"] == count  # made lazily, at the first collective
+            assert seen["first collective"]["communicators"] == count + 1
+            assert seen["first collective"]["communicator_bytes"] == held + buffer * mib
+            assert seen["second collective"]["communicator_bytes"] == seen["first collective"]["communicator_bytes"]
+            # mem_get_info also sees the scenario's own tensors (memory_reserved: two of 4 bytes here)
+            tensors = seen["reserved after"] - seen["reserved before"]
+            assert 0 < tensors < mib
+            assert seen["free before"] - seen["free after"] == buffer * mib + tensors
+            assert seen["p2p"]["communicators"] == count + 2
+            assert seen["p2p"]["communicator_bytes"] == held + (buffer + p2p) * mib
+            assert seen["destroyed"]["communicators"] == count
+            assert seen["destroyed"]["communicator_bytes"] == held
+
+
+_ERRORS = r"""
+import sys, time, torch, torch.distributed as dist
+import comm.testing
+comm.testing.simulate_accelerator("npu", "hccl", device_count=1)
+dist.init_process_group("hccl", rank=0, world_size=1, store=dist.HashStore(), device_id=torch.device("npu:0"))
+tensor = torch.ones(2, device="npu:0")
+comm.testing.fail_next("fail_async")
+work = dist.all_reduce(tensor, async_op=True)
+try:
+    work.wait()
+    print("wait returned", flush=True)
+except RuntimeError as error:
+    print("wait raised", str(error).splitlines()[0], flush=True)
+    sys.exit(0)
+while not work.is_completed():
+    time.sleep(0.01)
+time.sleep(1)  # the watchdog's time to act
+print("survived", work.is_success(), str(work.exception()).splitlines()[0], tensor.cpu().tolist(), flush=True)
+"""
+
+
+def _run_errors(env):
+    import os
+    import subprocess
+    import sys
+
+    environment = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "-c", _ERRORS], env=environment, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_failed_collective_tears_the_process_down_by_default():
+    """HCCL's default error model: wait() raises nothing; the watchdog sees the failure and TearDown rethrows it on
+    its thread, ending the process (master:ProcessGroupHCCL.cpp:987-1002, 1016-1113; HCCL_ASYNC_ERROR_HANDLING)."""
+    done = _run_errors({})
+    assert "wait returned" in done.stdout
+    assert "survived" not in done.stdout
+    assert done.returncode != 0
+    assert "taking the entire process down" in done.stderr
+    assert "injected backend failure (on wait)" in done.stderr
+
+
+def test_without_async_error_handling_a_failed_collective_is_reported_only_by_the_work():
+    """HCCL_ASYNC_ERROR_HANDLING=0: nothing tears down; isSuccess()/exception() report it; the outputs are garbage."""
+    done = _run_errors({"HCCL_ASYNC_ERROR_HANDLING": "0"})
+    assert done.returncode == 0, done.stderr
+    assert "wait returned" in done.stdout
+    assert "survived False injected backend failure (on wait) [nan, nan]" in done.stdout
+
+
+def test_blocking_wait_raises_the_failure_from_wait():
+    """TORCH_HCCL_BLOCKING_WAIT=1: WorkHCCL::wait blocks the host and raises (master:ProcessGroupHCCL.cpp:1016-1113);
+    the watchdog stands down."""
+    done = _run_errors({"TORCH_HCCL_BLOCKING_WAIT": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "wait raised injected backend failure (on wait)" in done.stdout

@@ -2,6 +2,8 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
 
+#include <c10/core/StreamGuard.h>
+
 #include "staging.h"
 
 namespace comm_native {
@@ -72,10 +74,12 @@ void rethrowStaged(const std::string& what) {
   }
 }
 
-StagedWork::StagedWork(std::vector<WorkPtr> inner, std::vector<std::shared_ptr<WriteBack>> backs, c10d::OpType type)
-    : Work(-1, type), inner_(std::move(inner)), backs_(std::move(backs)) {}
+StagedWork::StagedWork(std::vector<WorkPtr> inner, std::vector<std::shared_ptr<WriteBack>> backs, c10d::OpType type,
+                       std::optional<c10::Stream> stream)
+    : Work(-1, type), inner_(std::move(inner)), backs_(std::move(backs)), stream_(stream) {}
 
 void StagedWork::writeAll() {
+  c10::OptionalStreamGuard guard(stream_);
   for (auto& back : backs_) back->write();
 }
 
@@ -113,10 +117,12 @@ Tensors StagedWork::result() {
 }
 
 void StagedWork::synchronize() {
+  c10::OptionalStreamGuard guard(stream_);
   for (auto& work : inner_) work->synchronize();
 }
 
 bool StagedWork::wait(std::chrono::milliseconds timeout) {
+  c10::OptionalStreamGuard guard(stream_); // the collective's wait() orders the stream the call was staged on
   for (size_t i = 0; i < inner_.size(); ++i) {
     try {
       inner_[i]->wait(timeout);

@@ -24,11 +24,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 namespace comm_native {
@@ -91,7 +93,10 @@ class WriteBack {
 // the write-back. Its future completes after the write-back, with the caller's tensors.
 class StagedWork final : public c10d::Work {
  public:
-  StagedWork(std::vector<WorkPtr> inner, std::vector<std::shared_ptr<WriteBack>> backs, c10d::OpType type);
+  // `stream`: the stream the call was staged on, where its wait and write-back run too
+  // (comm's own stream for calls from threads other than the group's); none: the caller's.
+  StagedWork(std::vector<WorkPtr> inner, std::vector<std::shared_ptr<WriteBack>> backs, c10d::OpType type,
+             std::optional<c10::Stream> stream = std::nullopt);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -108,6 +113,7 @@ class StagedWork final : public c10d::Work {
 
   std::vector<WorkPtr> inner_;
   std::vector<std::shared_ptr<WriteBack>> backs_;
+  std::optional<c10::Stream> stream_;
 };
 
 // A finished work, for calls that return before the communicator runs them (inside
@@ -268,6 +274,15 @@ class StagingBackend final : public c10d::Backend {
   bool onOwn() const;
   // comm's communicator for threads other than the group's; made at the first call.
   c10d::Backend& madeCommunicator();
+  // The stream staged calls on comm's communicator run on: one of comm's own on the
+  // target device, taken at the first such call; none for the group's thread (its calls
+  // run on its current stream, as the fix written by hand does) or a CPU target. On an
+  // accelerator whose threads share the default stream (torch_npu, CUDA), a wait()
+  // makes that stream wait for the collective and a blocking copy synchronises it: were
+  // comm's communicator's calls on it, the training thread's copies would wait for
+  // another thread's communicator and that thread's for the group's, and two ranks whose
+  // threads run in different orders would wait on each other for ever.
+  std::optional<c10::Stream> stagingStream(bool onGroupsKind, at::Device target);
   void fixTarget();
   // The gloo communicator for CPU reductions the group's backend cannot run; made at the first.
   c10d::Backend& cpuCommunicator();
@@ -284,6 +299,7 @@ class StagingBackend final : public c10d::Backend {
   BackendPtr communicator_;
   CommunicatorFactory cpuFactory_;
   BackendPtr cpuCommunicator_;
+  std::optional<c10::Stream> stream_; // comm's communicator's stream (stagingStream)
   std::chrono::milliseconds timeout_;
   // Between startCoalescing and endCoalescing: the works and write-backs issued so far;
   // works of calls that ran on the CPU communicator, outside the communicator's block, apart.

@@ -3,6 +3,7 @@
 // at the first staged call; the four steps every call goes through; coalescing blocks; split.
 #include <algorithm>
 
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -63,6 +64,13 @@ c10d::Backend& StagingBackend::madeCommunicator() {
     TORCH_CHECK(communicator_, "comm's staging backend: the communicator factory returned nothing");
   }
   return *communicator_;
+}
+
+std::optional<c10::Stream> StagingBackend::stagingStream(bool onGroupsKind, at::Device target) {
+  if (!onGroupsKind || target.is_cpu() || onOwn()) return std::nullopt;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!stream_) stream_ = c10::impl::getDeviceGuardImpl(target.type())->getStreamFromGlobalPool(target);
+  return stream_;
 }
 
 c10d::Backend& StagingBackend::cpuCommunicator() {
@@ -154,9 +162,11 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
       break;
     }
   }
+  auto stream = stagingStream(own, target);
   StagedCall call(name, target, getSize(), *comm);
   WorkPtr work;
   try {
+    c10::OptionalStreamGuard guard(stream);
     work = run(call); // copy in, call the communicator
   } catch (...) {
     rethrowStaged(call.what());
@@ -171,7 +181,8 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
   }
   std::vector<WorkPtr> works;
   if (work) works.push_back(work);
-  return c10::make_intrusive<StagedWork>(std::move(works), std::vector<std::shared_ptr<WriteBack>>{back}, type);
+  return c10::make_intrusive<StagedWork>(std::move(works), std::vector<std::shared_ptr<WriteBack>>{back}, type,
+                                         stream);
 }
 
 void StagingBackend::startCoalescing() {
@@ -221,7 +232,8 @@ WorkPtr StagingBackend::endCoalescing() {
   works.insert(works.end(), cpuWorks.begin(), cpuWorks.end()); // run outside the communicator's block
   if (backs.empty()) backs.push_back(std::make_shared<WriteBack>("coalesced", "comm staged nothing",
                                                                  std::vector<Piece>{}, Tensors{}, 1));
-  return c10::make_intrusive<StagedWork>(std::move(works), std::move(backs), c10d::OpType::COALESCED);
+  return c10::make_intrusive<StagedWork>(std::move(works), std::move(backs), c10d::OpType::COALESCED,
+                                         stagingStream(true, target()));
 }
 
 BackendPtr StagingBackend::split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,

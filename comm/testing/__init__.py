@@ -15,9 +15,12 @@ count, pinned host memory, storage resizing), copy kernels (counted as transfers
 a fallback that runs every other operator's CPU kernel on the same memory, and a
 c10d ``Backend`` that runs collectives with gloo on that memory.
 
-Known differences from a real device: everything runs synchronously on the CPU, so
-streams and events order nothing and a missing synchronisation cannot show up (events
-record the host's time, so timing events measure host time);
+Collectives complete asynchronously on a worker per communicator, as on a device
+stream: ``wait()`` makes the device wait, and operators, copies and synchronisations
+wait for what their device was told to wait for, so a result read without waiting is
+stale, as on hardware (docs/simulated-npu.md). Known differences from a real device:
+operators run synchronously on the host when called (events record the host's time,
+so timing events measure host time);
 operators run the CPU's kernels (its dtypes, numerics and errors); device random
 numbers come from the CPU generator (no ``torch.Generator("npu")``); collectives
 run on gloo (what gloo lacks fails with gloo's error; ``unsupported_ops`` adds the
@@ -39,15 +42,16 @@ import torch.distributed as dist
 
 from comm._native import SIMULATED
 from comm.testing import _device, _process_group, _torch_npu
-from comm.testing._device import FAILURE_MODES, counters, fail_next, reset_counters
+from comm.testing._device import ALL_FAILURE_MODES, FAILURE_MODES, counters, device_counters, fail_next, reset_counters
 
 __all__ = [
-    "FAILURE_MODES", "apply_torch_npu_patches", "can_simulate", "counters", "fail_next", "offloaded",
+    "ALL_FAILURE_MODES", "FAILURE_MODES", "apply_torch_npu_patches", "can_simulate", "counters", "device_counters",
+    "fail_next", "offloaded",
     "reset_counters", "simulate_accelerator", "simulate_from_environment", "simulated_accelerator",
 ]
 
 _LOCK = threading.Lock()
-_ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any], bool, bool]] = None
+_ACTIVE: Optional[Tuple[str, str, int, FrozenSet[Any], bool, bool, Optional[bool]]] = None
 
 
 def can_simulate() -> bool:
@@ -68,6 +72,7 @@ def simulate_accelerator(
     unsupported_ops: Iterable[dist.ReduceOp.RedOpType] = (),
     lenient: bool = False,
     torch_npu_patches: bool = False,
+    blocking_wait: Optional[bool] = None,
 ) -> None:
     """Set up a simulated accelerator ``name`` with collective backend ``backend`` in this process.
 
@@ -78,7 +83,14 @@ def simulate_accelerator(
     reduce ops the backend rejects (``ReduceOp.AVG`` on some HCCL parts).
     ``torch_npu_patches`` (``npu`` only) replaces in torch what real torch_npu
     replaces at import, as real torch_npu's autoload does inside ``import torch``:
-    see :func:`apply_torch_npu_patches`. PrivateUse1 can be claimed once
+    see :func:`apply_torch_npu_patches`. Collectives complete asynchronously, as on a
+    device stream: ``wait()`` makes the device, not the host, wait, and raises nothing;
+    a failed collective reaches a watchdog that ends the process
+    (``HCCL_ASYNC_ERROR_HANDLING=0``: it does not). ``blocking_wait=True`` is HCCL's
+    blocking-wait mode for every group (``wait()`` blocks the host and raises the
+    collective's error; no watchdog), the earlier simulation's behaviour; None (the
+    default) reads ``TORCH_HCCL_BLOCKING_WAIT`` when each group's backend is made, as
+    ProcessGroupHCCL does. PrivateUse1 can be claimed once
     per process: a second call with the same arguments does nothing, and any other
     second call, a call after a real plugin such as ``torch_npu`` was imported, or a
     call where :func:`can_simulate` is False raises ``RuntimeError``. The first call
@@ -91,7 +103,9 @@ def simulate_accelerator(
         raise ValueError(f"torch_npu_patches must be a bool, and True only for 'npu', got {torch_npu_patches!r} "
                          f"for {name!r}")
     ops = frozenset(unsupported_ops)
-    wanted = (name, backend, device_count, ops, bool(lenient), torch_npu_patches)
+    if blocking_wait is not None and not isinstance(blocking_wait, bool):
+        raise ValueError(f"blocking_wait must be None or a bool, got {blocking_wait!r}")
+    wanted = (name, backend, device_count, ops, bool(lenient), torch_npu_patches, blocking_wait)
     with _LOCK:
         if _ACTIVE == wanted:
             return
@@ -104,7 +118,7 @@ def simulate_accelerator(
                 "the simulation must run in a process without it"
             )
         _device.install_device(name, device_count)
-        _process_group.register_backend(backend, name, ops, bool(lenient))
+        _process_group.register_backend(backend, name, ops, bool(lenient), blocking_wait)
         if name == "npu":
             _torch_npu.install()
         if torch_npu_patches:

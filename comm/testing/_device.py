@@ -38,27 +38,57 @@ def counters() -> Dict[str, int]:
     return result
 
 
+def device_counters(device: Any = None) -> Dict[str, int]:
+    """What one simulated device (default: the current one) has seen; see docs/simulated-npu.md.
+
+    ``host_syncs``: times the host waited on the device (a blocking copy between the host
+    and the device, ``item()``, ``synchronize()`` of the device, a stream or an event,
+    a ``wait()`` that blocks: blocking-wait mode, a barrier). ``drains``: those blocking
+    copies (and ``item()``) that found a collective queued on the device, which they
+    wait for as torch_npu's copy drains the compute stream. ``communicators`` and
+    ``communicator_bytes``: the HCCL communicators living on the device and the memory
+    they hold (``mem_get_info`` counts it). :func:`reset_counters` zeroes the first two.
+    """
+    core = _core()
+    result: Dict[str, int] = core.device_counters(_index_of(device, core))
+    return result
+
+
 def reset_counters() -> None:
     _core().reset_counters()
 
 
+# The modes in which the caller sees the failure as an error.
 FAILURE_MODES = ("raise", "fail_wait")
+# Every mode fail_next takes: "fail_async" fails on the device as HCCL reports it by default.
+ALL_FAILURE_MODES = FAILURE_MODES + ("fail_async",)
 
 
 def fail_next(mode: str, calls: int = 1) -> None:
     """Make the next ``calls`` collectives of the simulated backend fail, as a broken link does.
 
-    ``mode`` is ``"raise"`` (the call raises ``injected backend failure (on call N)``
-    when issued) or ``"fail_wait"`` (its work's ``wait()`` and future raise
-    ``injected backend failure (on wait)``). Calls are counted across every simulated
-    backend of the process, comm's staging communicators included; ``calls=0`` ends
-    the failures.
+    ``mode``:
+
+    * ``"raise"``: the call raises ``injected backend failure (on call N)`` when issued
+      (HCCL's enqueue fails; ``C10D_HCCL_CHECK`` raises at the call).
+    * ``"fail_wait"``: the collective fails on the device and its work's ``wait()``
+      raises ``injected backend failure (on wait)``, whatever the backend's error model:
+      what HCCL does under blocking wait (``TORCH_HCCL_BLOCKING_WAIT=1``). The future
+      (complete at enqueue, as WorkHCCL's) does not raise.
+    * ``"fail_async"``: the collective fails on the device and is reported as the
+      backend's error model says: under blocking wait ``wait()`` raises; by default
+      ``wait()`` returns, ``is_success()`` is False and ``exception()`` holds the error
+      once the collective has ended, its outputs hold garbage (NaN, or -7), and the
+      watchdog ends the process (``HCCL_ASYNC_ERROR_HANDLING=0``: it does not).
+
+    Calls are counted across every simulated backend of the process, comm's staging
+    communicators included; ``calls=0`` ends the failures.
     """
-    if mode not in FAILURE_MODES:
-        raise ValueError(f"mode must be one of {FAILURE_MODES}, got {mode!r}")
+    if mode not in ALL_FAILURE_MODES:
+        raise ValueError(f"mode must be one of {ALL_FAILURE_MODES}, got {mode!r}")
     if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
         raise ValueError(f"calls must be a non-negative int, got {calls!r}")
-    _core().fail_next(mode == "fail_wait", calls)
+    _core().fail_next({"raise": 0, "fail_wait": 1, "fail_async": 2}[mode], calls)
 
 
 def install_device(name: str, device_count: int) -> None:
@@ -151,7 +181,8 @@ def _build_device_module(name: str, core: Any) -> types.ModuleType:
         "current_device": core.current_device,
         "set_device": lambda device: core.set_device(_index_of(device, core)),
         "device": DeviceContext,
-        "synchronize": lambda device=None: None,  # every operator completes before it returns
+        # The host waits for what the device was told to wait for (aclrtSynchronizeDevice).
+        "synchronize": lambda device=None: core.synchronize(_index_of(device, core)),
         "empty_cache": lambda: core.empty_cache(core.current_device()),
         "memory_reserved": lambda device=None: core.memory_reserved(_index_of(device, core)),
         # No caching allocator: every statistic is the bytes allocated since the last empty_cache.
@@ -159,8 +190,8 @@ def _build_device_module(name: str, core: Any) -> types.ModuleType:
         "max_memory_allocated": lambda device=None: core.memory_reserved(_index_of(device, core)),
         "max_memory_reserved": lambda device=None: core.memory_reserved(_index_of(device, core)),
         "reset_peak_memory_stats": lambda device=None: None,
-        "mem_get_info": lambda device=None: (_TOTAL_MEMORY - core.memory_reserved(_index_of(device, core)),
-                                             _TOTAL_MEMORY),
+        # Free memory less what HCCL's communicators hold (allocated outside the caching allocator).
+        "mem_get_info": lambda device=None: (_free_memory(core, _index_of(device, core)), _TOTAL_MEMORY),
         "get_device_name": lambda device=None: f"simulated {name} (comm.testing)",
         "get_device_properties": lambda device=None: types.SimpleNamespace(
             name=f"simulated {name} (comm.testing)", total_memory=_TOTAL_MEMORY, multi_processor_count=1),
@@ -185,6 +216,11 @@ def _build_device_module(name: str, core: Any) -> types.ModuleType:
     for attr, value in functions.items():
         setattr(module, attr, value)
     return module
+
+
+def _free_memory(core: Any, index: int) -> int:
+    held: int = core.device_counters(index)["communicator_bytes"]
+    return _TOTAL_MEMORY - int(core.memory_reserved(index)) - held
 
 
 def _default_stream(index: int) -> torch.Stream:

@@ -12,7 +12,7 @@ and ``"cpu:gloo,npu:hccl"`` serves both devices.
 from __future__ import annotations
 
 import datetime
-from typing import Any, FrozenSet
+from typing import Any, FrozenSet, Optional
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
@@ -28,19 +28,25 @@ def create_backend(
     backend_name: str,
     unsupported_ops: FrozenSet[dist.ReduceOp.RedOpType],
     lenient: bool = False,
+    blocking_wait: Optional[bool] = None,
 ) -> Any:
-    """A simulated backend for one group: gloo underneath, ``backend_name`` on top (HCCL's rules unless ``lenient``)."""
+    """A simulated backend for one group: gloo underneath, ``backend_name`` on top (HCCL's rules unless ``lenient``).
+
+    ``blocking_wait`` None: as ``TORCH_HCCL_BLOCKING_WAIT`` says when the backend is made.
+    """
     host = dist.ProcessGroupGloo(store, rank, size, timeout)
     refused = {int(op.value): op.name for op in unsupported_ops}
-    return SIMULATED.load().make_backend(host, backend_name, refused, lenient)
+    mode = -1 if blocking_wait is None else int(blocking_wait)
+    return SIMULATED.load().make_backend(host, backend_name, refused, lenient, mode)
 
 
 def register_backend(
-    backend_name: str, device_type: str, unsupported_ops: FrozenSet[dist.ReduceOp.RedOpType], lenient: bool = False
+    backend_name: str, device_type: str, unsupported_ops: FrozenSet[dist.ReduceOp.RedOpType], lenient: bool = False,
+    blocking_wait: Optional[bool] = None,
 ) -> None:
     """Register ``backend_name`` with c10d as the backend of ``device_type``."""
 
     def create(store: Store, rank: int, size: int, timeout: datetime.timedelta) -> Any:
-        return create_backend(store, rank, size, timeout, backend_name, unsupported_ops, lenient)
+        return create_backend(store, rank, size, timeout, backend_name, unsupported_ops, lenient, blocking_wait)
 
     dist.Backend.register_backend(backend_name, create, devices=[device_type])

@@ -8,8 +8,14 @@
 // Each collective runs with a gloo backend on host views of the device tensors.
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
+#include <deque>
 #include <functional>
+#include <iostream>
+#include <limits>
 #include <mutex>
+#include <set>
+#include <thread>
 
 #include "simulated.h"
 #include "torch_releases.h"
@@ -22,28 +28,32 @@ using TensorLists = std::vector<std::vector<at::Tensor>>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 // Failures injected on purpose (comm.testing.fail_next): calls numbered [from, to),
-// counted across every simulated backend of the process, fail when issued or on wait,
-// as a link that breaks does.
+// counted across every simulated backend of the process, fail as a link that breaks
+// does: when issued (HCCL's enqueue returns an error: C10D_HCCL_CHECK raises at the
+// call), or on the device, where the failure is reported by wait() (kReportedByWait:
+// what HCCL does under blocking wait) or as the backend's error model reports it
+// (kOnDevice: HCCL's default, see ErrorModel).
+enum Fault { kNone = -1, kOnIssue = 0, kReportedByWait = 1, kOnDevice = 2 };
 struct FaultPlan {
   std::mutex mutex;
   int64_t calls = 0;
   int64_t from = 0;
   int64_t to = 0;
-  bool on_wait = false;
+  int mode = kOnIssue;
 };
 FaultPlan faults;
 
-// Whether this call fails on wait; raises now for a call that fails when issued.
-bool injected_fault(const WorkPtr& host) {
+// How this call fails on the device (kNone: it does not); raises now for a call that fails when issued.
+Fault injected_fault(const WorkPtr& host) {
   int64_t call = 0;
-  bool on_wait = false;
+  int mode = kOnIssue;
   {
     std::lock_guard<std::mutex> lock(faults.mutex);
     call = ++faults.calls;
-    if (call < faults.from || call >= faults.to) return false;
-    on_wait = faults.on_wait;
+    if (call < faults.from || call >= faults.to) return kNone;
+    mode = faults.mode;
   }
-  if (on_wait) return true;
+  if (mode != kOnIssue) return static_cast<Fault>(mode);
   host->wait(); // the peers' matching collective has run: leave nothing in flight
   TORCH_CHECK(false, "injected backend failure (on call ", call, ")");
 }
@@ -52,58 +62,196 @@ std::exception_ptr injected_on_wait() {
   return std::make_exception_ptr(c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, "injected backend failure (on wait)"));
 }
 
-// What a collective does on the device once the host collective has finished (HCCL's
-// divide for ReduceOp.AVG); run once, by whoever first sees the work complete.
-struct After {
-  std::function<void()> step;
-  std::once_flag once;
-  void run() {
-    if (step) std::call_once(once, step);
-  }
+// HCCL's error model, read from the environment when a communicator is made, as
+// ProcessGroupHCCL's constructor does (src@master ProcessGroupHCCL.cpp:1223; the
+// variables: torch_npu docs, environment_variable/collective_communication/
+// TORCH_HCCL_BLOCKING_WAIT.md and HCCL_ASYNC_ERROR_HANDLING.md).
+struct ErrorModel {
+  // TORCH_HCCL_BLOCKING_WAIT (HCCL_BLOCKING_WAIT in older releases): wait() blocks the
+  // host until the collective ends and raises its error (WorkHCCL::synchronizeInternal,
+  // src@master ProcessGroupHCCL.cpp:1016-1113).
+  bool blocking_wait = false;
+  // HCCL_ASYNC_ERROR_HANDLING: 0 nothing; otherwise the watchdog tears the process down
+  // when a collective fails (TearDown: handleException rethrows on the watchdog's
+  // thread, src@master ProcessGroupHCCL.cpp:987-1002). Blocking wait turns it off, as
+  // ProcessGroupNCCL's constructor does ("Only TORCH_NCCL_BLOCKING_WAIT is being used").
+  int async_error_handling = 1;
+  int rank = 0;
 };
 
-// The host collective's work, reporting the device tensors as its result.
-class DeviceWork final : public c10d::Work {
+bool env_flag(const char* name, bool fallback) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return fallback;
+  return std::string(value) != "0";
+}
+
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return fallback;
+  return std::strtoll(value, nullptr, 10);
+}
+
+// What a failed collective leaves in its outputs: not the result (a link that breaks
+// mid-collective leaves them partly written); NaN, or -7 for integers.
+void leave_garbage(const Tensors& outputs) {
+  for (auto output : outputs) {
+    if (at::isFloatingType(output.scalar_type()) || at::isComplexType(output.scalar_type())) {
+      output.fill_(std::numeric_limits<double>::quiet_NaN());
+    } else {
+      output.fill_(output.scalar_type() == at::kBool ? 1 : -7);
+    }
+  }
+}
+
+// A collective queued on its communicator's stream.
+struct Queued {
+  WorkPtr host;                // the gloo collective, issued when the call was made
+  CompletionPtr done;
+  std::function<void()> after; // what the device does once it has finished (HCCL's divide for AVG)
+  Fault fault = kNone;
+  Tensors outputs;             // host views of what it writes
+};
+
+// A communicator's stream: a worker of its own that finishes each collective in the order
+// issued (the host collective's end, then the device's step after it), and its watchdog
+// (ProcessGroupHCCL's workCleanupLoop: src@master ProcessGroupHCCL.cpp:1245-1247 starts
+// it, :987-1002 tears down). Threads live as long as the process or the communicator.
+class Stream {
  public:
-  DeviceWork(WorkPtr host, Tensors outputs, c10d::OpType type, bool fails, std::function<void()> after)
-      : Work(-1, type), host_(std::move(host)), outputs_(std::move(outputs)), fails_(fails),
-        after_(std::make_shared<After>()) {
-    after_->step = std::move(after);
+  explicit Stream(ErrorModel model) : state_(std::make_shared<State>()) { state_->model = model; }
+  ~Stream() {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->stopping = true;
+    }
+    state_->ready.notify_all();
   }
 
-  bool isCompleted() override {
-    if (!host_->isCompleted()) return false;
-    if (isSuccess()) after_->run();
-    return true;
-  }
-  bool isSuccess() const override { return !fails_ && host_->isSuccess(); }
-  std::exception_ptr exception() const override { return fails_ ? injected_on_wait() : host_->exception(); }
-  int sourceRank() const override { return host_->sourceRank(); }
-  Tensors result() override { return outputs_; }
-  void synchronize() override { host_->synchronize(); }
-  bool wait(std::chrono::milliseconds timeout) override {
-    auto done = host_->wait(timeout);
-    if (fails_) std::rethrow_exception(injected_on_wait());
-    after_->run();
-    return done;
-  }
-  void abort() override { host_->abort(); }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    return host_->getFuture()->then(
-        [outputs = outputs_, fails = fails_, after = after_](c10::ivalue::Future& done) {
-          done.value(); // rethrows the collective's error into the returned future
-          if (fails) std::rethrow_exception(injected_on_wait());
-          after->run();
-          return c10::IValue(outputs);
-        },
-        c10::ListType::create(c10::TensorType::get()));
+  void enqueue(Queued queued) {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->queue.push_back(std::move(queued));
+      if (!state_->started) {
+        state_->started = true;
+        std::thread(&Stream::run, state_).detach();
+      }
+    }
+    state_->ready.notify_all();
   }
 
  private:
-  WorkPtr host_;
+  struct State {
+    std::mutex mutex;
+    std::condition_variable ready;
+    std::deque<Queued> queue;
+    bool started = false;
+    bool stopping = false;
+    ErrorModel model;
+  };
+
+  static void run(std::shared_ptr<State> state) {
+    for (;;) {
+      Queued next;
+      {
+        std::unique_lock<std::mutex> lock(state->mutex);
+        state->ready.wait(lock, [&] { return state->stopping || !state->queue.empty(); });
+        if (state->queue.empty()) return;
+        next = std::move(state->queue.front());
+        state->queue.pop_front();
+      }
+      std::exception_ptr error;
+      try {
+        next.host->wait();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      if (!error && next.fault != kNone) {
+        error = injected_on_wait();
+        if (next.fault == kOnDevice) leave_garbage(next.outputs);
+      }
+      if (!error && next.after) {
+        try {
+          next.after();
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+      next.done->finish(error);
+      bool watched = next.fault != kReportedByWait;
+      if (error && watched && !state->model.blocking_wait && state->model.async_error_handling != 0) {
+        tear_down(error, state->model.rank);
+      }
+    }
+  }
+
+  // TearDown (src@master ProcessGroupHCCL.cpp:987-1002): log, then rethrow on the
+  // watchdog's thread, which ends the process (std::terminate). The watchdog finds the
+  // failure at its next poll, not at the instant the collective ends (its loop sleeps
+  // between polls: kWatchdogThreadSleepMillis, 100 ms, in ProcessGroupNCCL, which
+  // ProcessGroupHCCL's workCleanupLoop follows); the host runs on meanwhile.
+  [[noreturn]] static void tear_down(std::exception_ptr error, int rank) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::cerr << "[Rank " << rank << "] Some HCCL operations have failed or timed out. Due to the "
+              << "asynchronous nature of HCCL operations, subsequent NPU operations might run on "
+              << "corrupted/incomplete data. To avoid data inconsistency, we are taking the entire "
+              << "process down (simulated HCCL watchdog; HCCL_ASYNC_ERROR_HANDLING=0 or "
+              << "TORCH_HCCL_BLOCKING_WAIT=1 turn this off)." << std::endl;
+    std::rethrow_exception(error);
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+// WorkHCCL as torch_npu has it: the collective runs on its communicator's stream and
+// finishes there; wait() orders the device, not the host; the future is complete at enqueue.
+class DeviceWork final : public c10d::Work {
+ public:
+  DeviceWork(Tensors outputs, c10d::OpType type, CompletionPtr done, bool blocking, Fault fault)
+      : Work(-1, type), outputs_(std::move(outputs)), done_(std::move(done)),
+        host_waits_(blocking || fault == kReportedByWait || outputs_.empty()) {
+    // WorkHCCL's future is marked completed when the collective is enqueued, under the
+    // communicator's stream, with events a callback's stream waits for
+    // (src@master ProcessGroupHCCL.cpp:4208-4212).
+    std::vector<c10::Device> devices;
+    for (const auto& tensor : outputs_) {
+      if (std::find(devices.begin(), devices.end(), tensor.device()) == devices.end()) {
+        devices.push_back(tensor.device());
+      }
+    }
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()), devices);
+    RecordingWith recording(done_);
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+
+  // The collective's end event has been reached (WorkHCCL::isCompleted queries it).
+  bool isCompleted() override { return done_->finished(); }
+  bool isSuccess() const override { return done_->error() == nullptr; }
+  std::exception_ptr exception() const override { return done_->error(); }
+  Tensors result() override { return outputs_; }
+  // WorkHCCL::synchronize is wait() without a timeout.
+  void synchronize() override { wait(std::chrono::milliseconds(0)); }
+  // Without blocking wait: the work's device waits for the collective and wait() returns
+  // at once, raising nothing (src@master ProcessGroupHCCL.cpp:1016-1021). With it (and for
+  // a barrier, whose wait synchronises its device), the host waits and a failure raises.
+  bool wait(std::chrono::milliseconds) override {
+    auto index = outputs_.empty() ? current_device() : outputs_.front().device().index();
+    if (!host_waits_) {
+      for (const auto& tensor : outputs_) device_waits_for(tensor.device().index(), done_);
+      return true;
+    }
+    done_->wait();
+    ++device_counters[index].host_syncs;
+    if (auto error = done_->error()) std::rethrow_exception(error);
+    return true;
+  }
+  void abort() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
   Tensors outputs_;
-  bool fails_;
-  std::shared_ptr<After> after_;
+  CompletionPtr done_;
+  bool host_waits_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
 // The work endCoalescing returns for the calls that joined a coalescing block.
@@ -182,8 +330,9 @@ std::string serial(at::ScalarType dtype) {
 
 class SimulatedBackend final : public c10d::Backend {
  public:
+  // blocking_wait: 1 or 0 as asked, -1 as the environment says.
   SimulatedBackend(c10::intrusive_ptr<c10d::Backend> host, std::string name, std::map<int64_t, std::string> unsupported,
-                   bool lenient)
+                   bool lenient, int blocking_wait)
       : Backend(host->getRank(), host->getSize()),
         host_(std::move(host)),
         name_(std::move(name)),
@@ -191,7 +340,20 @@ class SimulatedBackend final : public c10d::Backend {
         lenient_(lenient) {
     upper_ = name_;
     std::transform(upper_.begin(), upper_.end(), upper_.begin(), [](unsigned char c) { return std::toupper(c); });
+    ErrorModel model;
+    model.rank = getRank();
+    model.blocking_wait = blocking_wait >= 0 ? blocking_wait == 1
+                                             : env_flag("TORCH_HCCL_BLOCKING_WAIT", env_flag("HCCL_BLOCKING_WAIT", false));
+    model.async_error_handling = model.blocking_wait ? 0 : static_cast<int>(env_int("HCCL_ASYNC_ERROR_HANDLING", 1));
+    blocking_wait_ = model.blocking_wait;
+    stream_ = std::make_unique<Stream>(model);
   }
+
+  // HcclCommDestroy gives the communicators' memory back: when the group is shut down
+  // (destroy_process_group calls ProcessGroup::shutdown, which shuts each backend down;
+  // ProcessGroupHCCL's destroys its communicators), or at the latest when it is destroyed.
+  void shutdown() override { release(); }
+  ~SimulatedBackend() override { release(); }
 
   const std::string getBackendName() const override { return name_; }
 
@@ -337,11 +499,13 @@ class SimulatedBackend final : public c10d::Backend {
   }
   WorkPtr send(Tensors& tensors, int dst, int tag) override {
     mapped(tensors);
+    peer(tensors, dst);
     auto hosts = to_host(tensors);
     return join(done(host_->send(hosts, dst, tag), tensors, c10d::OpType::SEND), /*p2p=*/true);
   }
   WorkPtr recv(Tensors& tensors, int src, int tag) override {
     mapped(tensors);
+    peer(tensors, src);
     auto hosts = to_host(tensors);
     return join(done(host_->recv(hosts, src, tag), tensors, c10d::OpType::RECV), /*p2p=*/true);
   }
@@ -366,6 +530,9 @@ class SimulatedBackend final : public c10d::Backend {
   // checkSupportedDataType in the reductions, named by ProcessGroupHCCL's function;
   // `casts`: bool and uint8 are cast to int32 first (allreduce, allreduce_coalesced, reduce).
   void reducible(const char* function, const Tensors& tensors, bool casts) const {
+    // gloo, under the simulation, cannot reduce int16 (HCCL can): refused at the call with
+    // gloo's message, not on the stream's worker, where it would reach the watchdog.
+    for (const auto& tensor : tensors) TORCH_CHECK(tensor.scalar_type() != at::kShort, "Invalid scalar type");
     mapped(tensors);
     if (lenient_) return;
     for (const auto& tensor : tensors) {
@@ -382,6 +549,9 @@ class SimulatedBackend final : public c10d::Backend {
     // A part's own refusals, asked for by unsupported_ops (ReduceOp.AVG on some parts).
     auto found = unsupported_.find(static_cast<int64_t>(op.op_));
     if (found != unsupported_.end()) TORCH_CHECK(false, "Cannot use ReduceOp.", found->second, " with ", upper_);
+    // gloo refuses PREMUL_SUM on its worker; lenient runs what gloo runs, refused at the call
+    // rather than on the stream's worker, where it would reach the watchdog.
+    TORCH_CHECK(!lenient_ || op.op_ != c10d::ReduceOp::PREMUL_SUM, "Cannot use ReduceOp.PREMUL_SUM with Gloo");
     if (lenient_) return nullptr;
     // getHcclReduceOp's unsupportedOp (master:ProcessGroupHCCL.cpp:94-97, 159-161; 2.9.1 :87, 161).
     static const std::map<c10d::ReduceOp::RedOpType, const char*> bitwise = {
@@ -397,8 +567,10 @@ class SimulatedBackend final : public c10d::Backend {
         for (const auto& tensor : outputs) at::empty({0}, tensor.options().device(at::kCPU)).div_(getSize());
         op = c10d::ReduceOp(c10d::ReduceOp::SUM);
         auto size = getSize();
-        return [outputs, size]() {
-          for (auto tensor : outputs) tensor.div_(size);
+        Tensors hosts; // the device's step runs on the stream's worker, on host views
+        for (const auto& tensor : outputs) hosts.push_back(host_view(tensor));
+        return [hosts, size]() {
+          for (auto tensor : hosts) tensor.div_(size);
         };
       }
       case c10d::ReduceOp::PREMUL_SUM: {
@@ -421,9 +593,13 @@ class SimulatedBackend final : public c10d::Backend {
 
   // Reached only by a group that does not dispatch by device (a Python ProcessGroup
   // wrapping this backend): the error the group's dispatch would have raised.
+  // The communicator's stream waits for the current stream (ProcessGroupHCCL's
+  // syncStreams before each collective): the collective reads and writes after what the
+  // current stream was told to wait for. The host waits here where hardware does not.
   static at::Tensor to_host(const at::Tensor& tensor) {
     TORCH_CHECK(tensor.device().type() == kDevice, "No backend type associated with device type ",
                 tensor.device().type());
+    drain(tensor.device().index());
     return host_view(tensor);
   }
   static Tensors to_host(const Tensors& tensors) {
@@ -452,10 +628,49 @@ class SimulatedBackend final : public c10d::Backend {
     return p2p ? nullptr : work;
   }
 
-  static WorkPtr done(WorkPtr host, Tensors outputs, c10d::OpType type, std::function<void()> after = nullptr) {
+  // The collective queued on the communicator's stream; its work.
+  WorkPtr done(WorkPtr host, Tensors outputs, c10d::OpType type, std::function<void()> after = nullptr) {
     ++collectives;
-    bool fails = injected_fault(host);
-    return c10::make_intrusive<DeviceWork>(std::move(host), std::move(outputs), type, fails, std::move(after));
+    auto index = outputs.empty() ? current_device() : outputs.front().device().index();
+    if (type != c10d::OpType::SEND && type != c10d::OpType::RECV) charge(index, "", env_int("HCCL_BUFFSIZE", 200));
+    Fault fault = injected_fault(host);
+    Queued queued;
+    queued.host = std::move(host);
+    queued.done = std::make_shared<Completion>();
+    queued.after = std::move(after);
+    queued.fault = fault;
+    for (const auto& output : outputs) queued.outputs.push_back(host_view(output));
+    auto completion = queued.done;
+    stream_->enqueue(std::move(queued));
+    return c10::make_intrusive<DeviceWork>(std::move(outputs), type, std::move(completion), blocking_wait_, fault);
+  }
+
+  // Communicator memory. HCCL makes a group's communicator at its first collective, with a
+  // buffer of HCCL_BUFFSIZE MB (200 by default), and one communicator per point-to-point
+  // peer with 2 x P2P_HCCL_BUFFSIZE MB (20 by default): torch_npu docs, environment_variable/
+  // collective_communication/P2P_HCCL_BUFFSIZE.md; ../shared/reference/torch-npu-reality.md
+  // finding 7. HCCL allocates it outside torch_npu's caching allocator: mem_get_info sees
+  // it, memory_reserved does not.
+  void charge(c10::DeviceIndex index, const std::string& key, int64_t megabytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!made_.insert(key).second) return;
+    int64_t bytes = std::max<int64_t>(megabytes, 0) << 20;
+    device_counters[index].communicators += 1;
+    device_counters[index].communicator_bytes += bytes;
+    charged_.emplace_back(index, bytes);
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [index, bytes] : charged_) {
+      device_counters[index].communicators -= 1;
+      device_counters[index].communicator_bytes -= bytes;
+    }
+    charged_.clear();
+    made_.clear();
+  }
+  void peer(const Tensors& tensors, int rank) {
+    auto index = tensors.empty() ? current_device() : tensors.front().device().index();
+    charge(index, c10::str("p2p:", rank), 2 * env_int("P2P_HCCL_BUFFSIZE", 20));
   }
 
   c10::intrusive_ptr<c10d::Backend> host_;
@@ -466,21 +681,27 @@ class SimulatedBackend final : public c10d::Backend {
   std::mutex mutex_;
   bool coalescing_ = false;
   std::vector<WorkPtr> joined_;
+  bool blocking_wait_ = false;
+  std::unique_ptr<Stream> stream_;
+  std::set<std::string> made_;                                     // communicators made: "" and "p2p:<peer>"
+  std::vector<std::pair<c10::DeviceIndex, int64_t>> charged_;      // what they hold, per device
 };
 
 } // namespace
 
-void fail_next(bool on_wait, int64_t calls) {
+void fail_next(int mode, int64_t calls) {
+  TORCH_CHECK(mode >= kOnIssue && mode <= kOnDevice, "fail_next: unknown mode ", mode);
   std::lock_guard<std::mutex> lock(faults.mutex);
   faults.from = faults.calls + 1;
   faults.to = faults.from + calls;
-  faults.on_wait = on_wait;
+  faults.mode = mode;
 }
 
 c10::intrusive_ptr<c10d::Backend> make_backend(
     c10::intrusive_ptr<c10d::Backend> host, std::string name, std::map<int64_t, std::string> unsupported_ops,
-    bool lenient) {
-  return c10::make_intrusive<SimulatedBackend>(std::move(host), std::move(name), std::move(unsupported_ops), lenient);
+    bool lenient, int blocking_wait) {
+  return c10::make_intrusive<SimulatedBackend>(std::move(host), std::move(name), std::move(unsupported_ops), lenient,
+                                               blocking_wait);
 }
 
 } // namespace comm_sim

@@ -6,10 +6,13 @@
 // resizing), copy kernels between the host and the device (counted as transfers),
 // and one fallback kernel that runs every other operator with the CPU kernel on
 // CPU tensors over the same memory, then hands the results back as device tensors.
+#include <algorithm>
 #include <array>
+#include <optional>
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <thread>
 #include <unordered_set>
 #include <vector>
 
@@ -26,7 +29,6 @@
 namespace comm_sim {
 namespace {
 
-constexpr int kMaxDevices = 64;
 constexpr c10::DispatchKey kKey = c10::DispatchKey::PrivateUse1;
 
 std::atomic<int> device_count{0};
@@ -35,6 +37,34 @@ thread_local std::array<c10::StreamId, kMaxDevices> current_stream{}; // 0: the 
 std::atomic<c10::StreamId> next_stream{1};
 // Bytes allocated on each device since its last empty_cache (torch.<name>.memory_reserved).
 std::array<std::atomic<int64_t>, kMaxDevices> reserved{};
+
+// ---- what each stream was told to wait for ----------------------------------
+//
+// Operators run on the host when called, so the only work queued on a device is a
+// collective some stream was told to wait for (WorkHCCL::wait makes the current stream
+// wait for the collective's end event and returns: src@master ProcessGroupHCCL.cpp
+// :1016-1021). Every later operation on that stream waits for it first (the host waits
+// here, where hardware queues the operation behind it); a read that was never ordered
+// after the collective on its stream (no wait, or a wait on another stream) reads
+// whatever is there. Threads share a device's default stream (stream 0) unless they
+// set one of their own, as on torch_npu, so on the default stream one thread's copy
+// waits for the collectives another thread waited for.
+std::mutex pending_mutex;
+std::array<std::vector<CompletionPtr>, kMaxDevices> pending;
+// The stream told to wait for each.
+std::array<std::vector<c10::StreamId>, kMaxDevices> pending_stream;
+thread_local CompletionPtr recording_with;
+
+// What `stream` of device `index` waits for; every stream's when `stream` is empty.
+std::vector<CompletionPtr> pending_on(c10::DeviceIndex index, std::optional<c10::StreamId> stream = std::nullopt) {
+  std::lock_guard<std::mutex> lock(pending_mutex);
+  if (!stream) return pending[index];
+  std::vector<CompletionPtr> on;
+  for (size_t i = 0; i < pending[index].size(); ++i) {
+    if (pending_stream[index][i] == *stream) on.push_back(pending[index][i]);
+  }
+  return on;
+}
 
 c10::DeviceIndex checked(c10::DeviceIndex index) {
   TORCH_CHECK(
@@ -54,9 +84,21 @@ c10::Stream make_stream(c10::DeviceIndex index, c10::StreamId id) {
   return c10::Stream(c10::Stream::UNSAFE, c10::Device(kDevice, index), id);
 }
 
-// An event holds the host time it was last recorded at: work here is synchronous, so
-// each event is complete when recorded, and the time between two is the host's.
+// An event holds the host time it was last recorded at (the time between two events is
+// the host's) and the collectives its stream's device had been told to wait for: it
+// completes when they have (torch_npu's NPUEvent over aclrtRecordEvent); a stream that
+// waits for it (block) waits for them.
 using EventClock = std::chrono::steady_clock;
+struct SimEvent {
+  EventClock::time_point time;
+  c10::DeviceIndex index = 0;
+  std::vector<CompletionPtr> pending;
+};
+
+void host_waits(c10::DeviceIndex index, std::optional<c10::StreamId> stream = std::nullopt) {
+  drain_stream(index, stream);
+  ++device_counters[index].host_syncs;
+}
 
 struct Guard final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kDevice; }
@@ -85,23 +127,47 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
     current_stream[index] = stream.id();
     return previous;
   }
-  void record(void** event, const c10::Stream&, c10::DeviceIndex, c10::EventFlag) const override {
-    if (*event == nullptr) *event = new EventClock::time_point();
-    *static_cast<EventClock::time_point*>(*event) = EventClock::now();
+  void record(void** event, const c10::Stream& stream, c10::DeviceIndex, c10::EventFlag) const override {
+    if (*event == nullptr) *event = new SimEvent();
+    auto* recorded = static_cast<SimEvent*>(*event);
+    recorded->time = EventClock::now();
+    recorded->index = stream.device_index();
+    recorded->pending = pending_on(recorded->index, stream.id());
+    if (recording_with) recorded->pending.push_back(recording_with);
   }
-  void destroyEvent(void* event, c10::DeviceIndex) const noexcept override {
-    delete static_cast<EventClock::time_point*>(event);
-  }
+  void destroyEvent(void* event, c10::DeviceIndex) const noexcept override { delete static_cast<SimEvent*>(event); }
   double elapsedTime(void* first, void* second, c10::DeviceIndex) const override {
-    auto interval = *static_cast<EventClock::time_point*>(second) - *static_cast<EventClock::time_point*>(first);
+    auto interval = static_cast<SimEvent*>(second)->time - static_cast<SimEvent*>(first)->time;
     return std::chrono::duration<double, std::milli>(interval).count();
   }
-  void block(void*, const c10::Stream&) const override {}
-  bool queryEvent(void*) const override { return true; }
-  void synchronizeEvent(void*) const override {}
-  bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeDevice(c10::DeviceIndex) const override {}
+  // aclrtStreamWaitEvent: the stream's device waits for what the event waits for.
+  void block(void* event, const c10::Stream& stream) const override {
+    if (event == nullptr) return;
+    for (const auto& done : static_cast<SimEvent*>(event)->pending) {
+      if (!done->finished()) stream_waits_for(stream.device_index(), stream.id(), done);
+    }
+  }
+  bool queryEvent(void* event) const override {
+    if (event == nullptr) return true;
+    const auto& all = static_cast<SimEvent*>(event)->pending;
+    return std::all_of(all.begin(), all.end(), [](const CompletionPtr& done) { return done->finished(); });
+  }
+  // aclrtSynchronizeEvent: the host waits.
+  void synchronizeEvent(void* event) const override {
+    if (event == nullptr) return;
+    auto* recorded = static_cast<SimEvent*>(event);
+    for (const auto& done : recorded->pending) done->wait();
+    ++device_counters[recorded->index].host_syncs;
+  }
+  bool queryStream(const c10::Stream& stream) const override {
+    auto all = pending_on(stream.device_index(), stream.id());
+    return std::all_of(all.begin(), all.end(), [](const CompletionPtr& done) { return done->finished(); });
+  }
+  // aclrtSynchronizeStream: the host waits for the stream; aclrtSynchronizeDevice: for all of the device's.
+  void synchronizeStream(const c10::Stream& stream) const override {
+    host_waits(stream.device_index(), stream.id());
+  }
+  void synchronizeDevice(c10::DeviceIndex index) const override { host_waits(index); }
   c10::DeviceIndex deviceCount() const noexcept override { return static_cast<c10::DeviceIndex>(device_count.load()); }
 };
 
@@ -177,6 +243,7 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) const override {
     auto* impl = storage.unsafeGetStorageImpl();
     TORCH_CHECK(impl->resizable(), "Trying to resize storage that is not resizable");
+    drain(storage.device().index());
     c10::DeviceGuard guard(storage.device());
     c10::DataPtr fresh = device_allocator.allocate(nbytes);
     auto kept = std::min(nbytes, impl->nbytes());
@@ -306,8 +373,25 @@ at::Tensor empty_strided(
 
 at::Tensor host_or_self(const at::Tensor& tensor) { return on_device(tensor) ? host_view(tensor) : tensor; }
 
+// A copy waits for what its devices were told to wait for. A blocking copy between the
+// host and the device is a host synchronisation, and a drain when work was queued on the
+// device: torch_npu's copy_ synchronises the current stream before a blocking H2D or D2H
+// copy (AclrtSynchronizeStreamWithTimeout, src@master torch_npu/csrc/aten/common/
+// CopyKernel.cpp:125-160), then copies synchronously.
 at::Tensor& copy(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
-  if (self.device().type() != src.device().type()) ++transfers;
+  bool crosses = self.device().type() != src.device().type();
+  if (crosses) ++transfers;
+  bool queued = false;
+  std::optional<c10::DeviceIndex> device_side;
+  for (const at::Tensor* tensor : {&src, static_cast<const at::Tensor*>(&self)}) {
+    if (!on_device(*tensor)) continue;
+    queued = drain(tensor->device().index()) || queued;
+    if (!device_side) device_side = tensor->device().index();
+  }
+  if (crosses && !non_blocking && device_side) {
+    ++device_counters[*device_side].host_syncs;
+    if (queued) ++device_counters[*device_side].drains;
+  }
   host_or_self(self).copy_(host_or_self(src), non_blocking);
   return self;
 }
@@ -368,6 +452,10 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t first = stack->size() - schema.arguments().size();
   check_same_device(op, c10::ArrayRef<c10::IValue>(*stack).slice(first));
   std::optional<c10::DeviceIndex> index;
+  std::vector<c10::DeviceIndex> touched; // devices whose memory the operator reads or writes
+  auto touch = [&](c10::DeviceIndex device) {
+    if (std::find(touched.begin(), touched.end(), device) == touched.end()) touched.push_back(device);
+  };
   HostViews views;
   for (size_t i = first; i < stack->size(); ++i) {
     c10::IValue& value = (*stack)[i];
@@ -375,18 +463,23 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       const at::Tensor& tensor = value.toTensor();
       if (on_device(tensor)) {
         if (!index) index = tensor.device().index();
+        touch(tensor.device().index());
         value = views.to_host(tensor);
       }
     } else if (value.isTensorList()) {
       c10::List<at::Tensor> hosts;
       for (const at::Tensor& tensor : value.toTensorList()) {
-        if (!index && on_device(tensor)) index = tensor.device().index();
+        if (on_device(tensor)) {
+          if (!index) index = tensor.device().index();
+          touch(tensor.device().index());
+        }
         hosts.push_back(views.to_host(tensor));
       }
       value = hosts;
     } else if (value.isOptionalTensorList()) {
       c10::List<std::optional<at::Tensor>> hosts;
       for (const std::optional<at::Tensor>& tensor : value.toOptionalTensorList()) {
+        if (tensor && on_device(*tensor)) touch(tensor->device().index());
         hosts.push_back(tensor ? std::optional<at::Tensor>(views.to_host(*tensor)) : std::nullopt);
       }
       value = hosts;
@@ -394,7 +487,18 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       if (!index) index = index_of(value.toDevice());
       value = c10::Device(c10::kCPU);
     } else if (value.isStorage() && value.toStorage().device().type() == kDevice) {
+      touch(value.toStorage().device().index());
       value = views.to_host(value.toStorage());
+    }
+  }
+  // The operator runs after what its devices were told to wait for. item() reads a
+  // value back to the host: a blocking D2H copy on torch_npu, counted as copies are.
+  bool reads_back = schema.operator_name().name == "aten::_local_scalar_dense";
+  for (auto device : touched) {
+    bool queued = drain(device);
+    if (reads_back) {
+      ++device_counters[device].host_syncs;
+      if (queued) ++device_counters[device].drains;
     }
   }
   auto target = index.value_or(current_index);
@@ -446,6 +550,39 @@ void pass_autograd_through_where_torch_does_not() {
 
 } // namespace
 
+void device_waits_for(c10::DeviceIndex index, CompletionPtr done) {
+  stream_waits_for(index, current_stream[index], std::move(done));
+}
+
+void stream_waits_for(c10::DeviceIndex index, c10::StreamId stream, CompletionPtr done) {
+  std::lock_guard<std::mutex> lock(pending_mutex);
+  pending[index].push_back(std::move(done));
+  pending_stream[index].push_back(stream);
+}
+
+bool drain_stream(c10::DeviceIndex index, std::optional<c10::StreamId> stream) {
+  auto waited = pending_on(index, stream);
+  if (waited.empty()) return false;
+  for (const auto& done : waited) done->wait();
+  std::lock_guard<std::mutex> lock(pending_mutex);
+  auto& now = pending[index];
+  auto& on = pending_stream[index];
+  for (size_t i = now.size(); i-- > 0;) {
+    if (std::find(waited.begin(), waited.end(), now[i]) != waited.end()) {
+      now.erase(now.begin() + static_cast<std::ptrdiff_t>(i));
+      on.erase(on.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+  return true;
+}
+
+bool drain(c10::DeviceIndex index) { return drain_stream(index, current_stream[index]); }
+
+c10::DeviceIndex current_device() { return current_index; }
+
+RecordingWith::RecordingWith(CompletionPtr done) { recording_with = std::move(done); }
+RecordingWith::~RecordingWith() { recording_with = nullptr; }
+
 at::Tensor host_view(const at::Tensor& tensor) {
   return tensor_over(storage_over(tensor.storage(), c10::Device(c10::kCPU), c10::GetCPUAllocator()),
                      c10::DispatchKey::CPU, tensor);
@@ -466,6 +603,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("current_device", []() { return static_cast<int>(current_index); });
   m.def("set_device", [](int index) { current_index = checked(static_cast<c10::DeviceIndex>(index)); });
   m.def("memory_reserved", [](int index) { return reserved[checked(static_cast<c10::DeviceIndex>(index))].load(); });
+  m.def("synchronize", [](int index) {
+    pybind11::gil_scoped_release released;
+    host_waits(checked(static_cast<c10::DeviceIndex>(index)));
+  });
+  m.def("device_counters", [](int index) {
+    auto& counted = device_counters[checked(static_cast<c10::DeviceIndex>(index))];
+    return std::map<std::string, int64_t>{{"host_syncs", counted.host_syncs.load()},
+                                          {"drains", counted.drains.load()},
+                                          {"communicators", counted.communicators.load()},
+                                          {"communicator_bytes", counted.communicator_bytes.load()}};
+  });
   m.def("empty_cache", [](int index) { reserved[checked(static_cast<c10::DeviceIndex>(index))] = 0; });
   m.def("counters", []() {
     return std::map<std::string, int64_t>{{"transfers", transfers.load()}, {"collectives", collectives.load()}};
@@ -473,8 +621,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reset_counters", []() {
     transfers = 0;
     collectives = 0;
+    for (auto& counted : device_counters) {
+      counted.host_syncs = 0;
+      counted.drains = 0;
+    }
   });
-  m.def("fail_next", &fail_next, pybind11::arg("on_wait"), pybind11::arg("calls"));
+  m.def("fail_next", &fail_next, pybind11::arg("mode"), pybind11::arg("calls"));
   m.def("make_backend", &make_backend, pybind11::arg("host"), pybind11::arg("name"),
-        pybind11::arg("unsupported_ops"), pybind11::arg("lenient"));
+        pybind11::arg("unsupported_ops"), pybind11::arg("lenient"), pybind11::arg("blocking_wait"));
 }
