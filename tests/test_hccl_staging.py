@@ -140,3 +140,86 @@ def _integer_avg_on_a_communicator_named_nccl(rank, world_size):
 def test_integer_avg_goes_to_a_backend_that_averages_integers():
     for error in run_ranks(_integer_avg_on_a_communicator_named_nccl, 2, backend="hccl", simulate=NPU):
         assert "cannot be staged" not in error and "can't be cast to the desired output type Long" in error
+
+
+# ---- what staging costs the device (issue 29) --------------------------------------------
+
+LATE = 1.5  # seconds rank 1 holds back its side of a collective, so that rank 0's is still running
+
+
+def _sync_counts(rank):
+    """What the rank's device counted (a new thread starts on device 0, whatever the rank's)."""
+    from comm.testing import device_counters
+
+    return {key: value for key, value in device_counters(rank).items() if key in ("host_syncs", "drains")}
+
+
+def _staged_cost(rank, world_size):
+    """Host synchronisations and compute-stream drains of staged all_reduces, and how soon get_future() returns."""
+    import threading
+    import time
+
+    from comm.testing import reset_counters
+
+    comm.patch(clip_grad_norm=False)
+    try:
+        seen = {}
+        total = sum(_values(r, 4096) for r in range(world_size))
+        dist.all_reduce(torch.zeros(1))  # the first call makes the communicator
+        # On the group's thread, with a device collective queued on the caller's stream
+        # (rank 1 joins it late): the staged call must not wait for that stream.
+        busy = torch.ones(1, device=f"npu:{rank}")
+        if rank == 1:
+            time.sleep(LATE)
+        dist.all_reduce(busy)
+        reset_counters()
+        tensor = _values(rank, 4096)
+        dist.all_reduce(tensor)
+        seen["group's thread"] = (_sync_counts(rank), torch.equal(tensor, total))
+        # From another thread, on comm's own communicator.
+        done = {}
+
+        def reduce_in_thread():
+            reset_counters()
+            other = _values(rank, 4096)
+            dist.all_reduce(other)
+            done["counts"] = (_sync_counts(rank), torch.equal(other, total))
+
+        thread = threading.Thread(target=reduce_in_thread)
+        thread.start()
+        thread.join()
+        seen["another thread"] = done["counts"]
+        # get_future() returns while the collective still waits for rank 1.
+        tensor = _values(rank, 8)
+        if rank == 1:
+            time.sleep(LATE)
+        work = dist.all_reduce(tensor, async_op=True)
+        start = time.monotonic()
+        future = work.get_future()
+        seen["get_future seconds"] = time.monotonic() - start
+        seen["future's value"] = torch.equal(future.wait()[0], sum(_values(r, 8) for r in range(world_size)))
+        return seen
+    finally:
+        comm.unpatch()
+
+
+@pytest.fixture(scope="module")
+def staged_cost():
+    return run_ranks(_staged_cost, 2, backend="hccl", simulate=NPU)
+
+
+def test_a_staged_all_reduce_synchronises_the_host_once_and_drains_nothing(staged_cost):
+    """The copy in is queued from pinned memory (no host wait); the write-back waits once, on comm's stream, for the
+    collective and its copy back: never for the caller's compute stream (drains count blocking copies that found
+    queued work there)."""
+    for seen in staged_cost:
+        for thread in ("group's thread", "another thread"):
+            counts, right = seen[thread]
+            assert right, thread
+            assert counts == {"host_syncs": 1, "drains": 0}, thread
+
+
+def test_get_future_returns_before_the_collective_ends(staged_cost):
+    """A staged call's future is completed by comm's completion thread: get_future() itself never waits."""
+    assert staged_cost[0]["get_future seconds"] < LATE / 2
+    assert all(seen["future's value"] for seen in staged_cost)

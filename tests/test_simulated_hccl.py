@@ -243,6 +243,12 @@ def _completion(rank, world_size):
     work.wait()
     tensor.sum().item()
     seen["after item"] = device_counters()
+    # A non-blocking copy is queued on the stream only from pinned memory; from pageable memory it blocks.
+    reset_counters()
+    tensor.copy_(torch.ones(2, pin_memory=True), non_blocking=True)
+    seen["after a pinned non-blocking copy"] = device_counters()
+    tensor.copy_(torch.ones(2), non_blocking=True)
+    seen["after a pageable non-blocking copy"] = device_counters()
 
     # wait() makes the current stream wait. Threads share the default stream; a copy on
     # another stream synchronises that stream only and does not wait for the collective.
@@ -308,7 +314,8 @@ def test_events_and_synchronize_wait_for_what_the_device_waits_for(completion):
 
 def test_counters_count_host_synchronisations_and_drains(completion):
     """A blocking copy synchronises the current stream (CopyKernel.cpp:125-160): a host synchronisation, and a drain
-    when the stream had a collective queued; synchronize() and item() wait on the device too."""
+    when the stream had a collective queued; synchronize() and item() wait on the device too. A non-blocking copy
+    blocks as well unless its host memory is pinned (CUDA's rule; see device.cpp's copy)."""
     for seen in completion:
         sync = {key: value for key, value in seen["after copy in"].items() if key in ("host_syncs", "drains")}
         assert sync == {"host_syncs": 1, "drains": 0}
@@ -318,6 +325,8 @@ def test_counters_count_host_synchronisations_and_drains(completion):
         assert (seen["after synchronize"]["host_syncs"], seen["after synchronize"]["drains"]) == (4, 1)
         # sum() ran after the collective (an operator waits for its device, uncounted); item() found nothing queued
         assert (seen["after item"]["host_syncs"], seen["after item"]["drains"]) == (5, 1)
+        assert seen["after a pinned non-blocking copy"]["host_syncs"] == 0
+        assert seen["after a pageable non-blocking copy"]["host_syncs"] == 1
 
 
 def test_a_blocking_copy_synchronises_the_current_stream_which_threads_share(completion):

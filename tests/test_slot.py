@@ -295,7 +295,8 @@ def test_staging_device_rejects_non_tensors():
 
 
 def _device_ops(call):
-    """The operators ``call`` runs on simulated-device tensors, by name, counted."""
+    """The operators ``call`` runs on simulated-device tensors, by name, counted; a copy is a copy, whichever
+    operator makes it (``x.to(device)`` is ``_to_copy``, a copy into a buffer ``copy_``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
@@ -306,7 +307,8 @@ def _device_ops(call):
             out = func(*args, **(kwargs or {}))
             tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
             if any(t.device.type == "npu" for t in tensors):
-                seen[str(func.overloadpacket)] += 1
+                name = str(func.overloadpacket)
+                seen["a copy" if name in ("aten._to_copy", "aten.copy_") else name] += 1
             return out
 
     with Record():

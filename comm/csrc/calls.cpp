@@ -20,6 +20,12 @@ Options reducing(StagedCall& call, Options opts, const Tensors& inputs) {
   return opts;
 }
 
+// An all-reduce of `copies`, the staged tensors it reduces in place.
+WorkPtr allreduceCopies(StagedCall& call, Tensors copies, const c10d::AllreduceOptions& opts) {
+  auto options = reducing(call, opts, copies);
+  return call.communicator().allreduce(copies, options);
+}
+
 } // namespace
 
 WorkPtr StagingBackend::broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) {
@@ -32,20 +38,15 @@ WorkPtr StagingBackend::broadcast(Tensors& tensors, const c10d::BroadcastOptions
 
 WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
   Reduction reduction{"allreduce", tensors};
-  return stage("all_reduce", c10d::OpType::ALLREDUCE, [&](StagedCall& call) {
-    auto copies = call.inOut(tensors);
-    auto options = reducing(call, opts, copies);
-    return call.communicator().allreduce(copies, options);
-  }, &reduction);
+  return stage("all_reduce", c10d::OpType::ALLREDUCE,
+               [&](StagedCall& call) { return allreduceCopies(call, call.inOut(tensors), opts); }, &reduction);
 }
 
 WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   Reduction reduction{"allreduce_coalesced", tensors};
   return stage("all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, [&](StagedCall& call) {
     if (StagedCall::flattens(tensors)) { // one flat buffer: one transfer each way, one all-reduce
-      Tensors copies{call.flat(tensors, /*reads=*/true)};
-      auto options = reducing(call, c10d::AllreduceOptions(opts), copies);
-      return call.communicator().allreduce(copies, options);
+      return allreduceCopies(call, {call.flat(tensors, /*reads=*/true)}, opts);
     }
     auto copies = call.inOut(tensors);
     auto options = reducing(call, opts, copies);

@@ -102,7 +102,7 @@ class Copies {
     if (tensor.device().type() == served_) return tensor;
     at::AutoDispatchBelowADInplaceOrView belowAutograd; // as torch's backends write
     auto start = nowNs();
-    auto staged = reads ? tensor.to(*target_, /*non_blocking=*/false, /*copy=*/true)
+    auto staged = reads ? copyOnto(tensor, *target_)
                         : at::empty_like(tensor, tensor.options().device(*target_));
     if (reads) {
       copied_.nanoseconds += nowNs() - start;

@@ -51,11 +51,29 @@ void StagedCall::noteSource(const at::Tensor& tensor) {
   if (source_.empty()) source_ = tensor.device().str();
 }
 
+at::Tensor copyOnto(const at::Tensor& tensor, at::Device target) {
+  if (!tensor.device().is_cpu() || target.is_cpu()) {
+    return at::_to_copy(tensor, tensor.options().device(target), /*non_blocking=*/false, at::MemoryFormat::Contiguous);
+  }
+  // From pageable memory a copy to the device blocks the host until the current stream
+  // has run everything queued on it (torch_npu's copy_ synchronises that stream first,
+  // CopyKernel.cpp:125-160; CUDA stages pageable memory synchronously). From pinned
+  // memory it is queued on the stream, and the host goes on; torch's pinned allocator
+  // keeps the buffer from reuse until the copy has run.
+  auto host = tensor;
+  if (!tensor.is_contiguous() || !tensor.is_pinned()) {
+    host = at::empty(tensor.sizes(), tensor.options().pinned_memory(true));
+    host.copy_(tensor);
+  }
+  auto staged = at::empty(tensor.sizes(), tensor.options().device(target));
+  staged.copy_(host, /*non_blocking=*/true);
+  return staged;
+}
+
 at::Tensor StagedCall::in(const at::Tensor& tensor) {
   RECORD_FUNCTION("comm.stage_in", std::vector<c10::IValue>());
   auto start = nowNs();
-  auto staged = at::_to_copy(tensor, tensor.options().device(target_), /*non_blocking=*/false,
-                             at::MemoryFormat::Contiguous);
+  auto staged = copyOnto(tensor, target_);
   copied_.nanoseconds += nowNs() - start;
   copied_.transfers += 1;
   copied_.bytes += static_cast<int64_t>(tensor.nbytes());

@@ -93,8 +93,8 @@ class WriteBack {
 // the write-back. Its future completes after the write-back, with the caller's tensors.
 class StagedWork final : public c10d::Work {
  public:
-  // `stream`: the stream the call was staged on, where its wait and write-back run too
-  // (comm's own stream for calls from threads other than the group's); none: the caller's.
+  // `stream`: the stream its wait() orders after the collective and its write-back copies
+  // on (StagingBackend::waitStream); none: the caller's current stream.
   StagedWork(std::vector<WorkPtr> inner, std::vector<std::shared_ptr<WriteBack>> backs, c10d::OpType type,
              std::optional<c10::Stream> stream = std::nullopt);
 
@@ -125,6 +125,11 @@ WorkPtr doneWork();
 
 // ---- staged_call.cpp: one staged call's copies onto the target device, and which of
 // them are written back where.
+// A contiguous copy of `tensor` on `target`. A host tensor's copy does not block the host:
+// it goes through pinned memory (the tensor's own where it is pinned and contiguous) and
+// is queued on `target`'s current stream, after whatever that stream holds.
+at::Tensor copyOnto(const at::Tensor& tensor, at::Device target);
+
 class StagedCall {
  public:
   StagedCall(const char* name, at::Device target, int groupSize, c10d::Backend& communicator);
@@ -274,15 +279,23 @@ class StagingBackend final : public c10d::Backend {
   bool onOwn() const;
   // comm's communicator for threads other than the group's; made at the first call.
   c10d::Backend& madeCommunicator();
-  // The stream staged calls on comm's communicator run on: one of comm's own on the
-  // target device, taken at the first such call; none for the group's thread (its calls
-  // run on its current stream, as the fix written by hand does) or a CPU target. On an
-  // accelerator whose threads share the default stream (torch_npu, CUDA), a wait()
-  // makes that stream wait for the collective and a blocking copy synchronises it: were
-  // comm's communicator's calls on it, the training thread's copies would wait for
-  // another thread's communicator and that thread's for the group's, and two ranks whose
-  // threads run in different orders would wait on each other for ever.
-  std::optional<c10::Stream> stagingStream(bool onGroupsKind, at::Device target);
+  // The stream a staged call's copies in and its collective are issued on: none (the
+  // caller's current stream, as the fix written by hand does) on the group's thread and
+  // for a CPU target; on comm's communicator, a stream of comm's own on the target
+  // device (stream_). On an accelerator whose threads share the default stream
+  // (torch_npu, CUDA), a wait() makes that stream wait for the collective and a blocking
+  // copy synchronises it: were comm's communicator's calls on it, the training thread's
+  // copies would wait for another thread's communicator and that thread's for the
+  // group's, and two ranks whose threads run in different orders would wait on each
+  // other for ever.
+  std::optional<c10::Stream> issueStream(bool onGroupsKind, at::Device target);
+  // The stream a staged call's wait() orders after the collective and its results are
+  // copied back on: never the caller's compute stream, so that the host waits for the
+  // collective and those copies alone. On the group's thread a stream of comm's own for
+  // the group (writeBackStream_), on comm's communicator its stream; none for a CPU target.
+  std::optional<c10::Stream> waitStream(bool onGroupsKind, at::Device target);
+  // comm's stream on `target` held in `held`, taken from the device's pool at first use.
+  std::optional<c10::Stream> ownStream(std::optional<c10::Stream>& held, at::Device target);
   void fixTarget();
   // The gloo communicator for CPU reductions the group's backend cannot run; made at the first.
   c10d::Backend& cpuCommunicator();
@@ -299,7 +312,8 @@ class StagingBackend final : public c10d::Backend {
   BackendPtr communicator_;
   CommunicatorFactory cpuFactory_;
   BackendPtr cpuCommunicator_;
-  std::optional<c10::Stream> stream_; // comm's communicator's stream (stagingStream)
+  std::optional<c10::Stream> stream_; // comm's communicator's stream (issueStream)
+  std::optional<c10::Stream> writeBackStream_; // the group's thread's write-backs (waitStream)
   std::chrono::milliseconds timeout_;
   // Between startCoalescing and endCoalescing: the works and write-backs issued so far;
   // works of calls that ran on the CPU communicator, outside the communicator's block, apart.

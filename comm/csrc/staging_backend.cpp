@@ -66,11 +66,20 @@ c10d::Backend& StagingBackend::madeCommunicator() {
   return *communicator_;
 }
 
-std::optional<c10::Stream> StagingBackend::stagingStream(bool onGroupsKind, at::Device target) {
-  if (!onGroupsKind || target.is_cpu() || onOwn()) return std::nullopt;
+std::optional<c10::Stream> StagingBackend::ownStream(std::optional<c10::Stream>& held, at::Device target) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!stream_) stream_ = c10::impl::getDeviceGuardImpl(target.type())->getStreamFromGlobalPool(target);
-  return stream_;
+  if (!held) held = c10::impl::getDeviceGuardImpl(target.type())->getStreamFromGlobalPool(target);
+  return held;
+}
+
+std::optional<c10::Stream> StagingBackend::issueStream(bool onGroupsKind, at::Device target) {
+  if (!onGroupsKind || target.is_cpu() || onOwn()) return std::nullopt;
+  return ownStream(stream_, target);
+}
+
+std::optional<c10::Stream> StagingBackend::waitStream(bool onGroupsKind, at::Device target) {
+  if (!onGroupsKind || target.is_cpu()) return std::nullopt;
+  return onOwn() ? ownStream(writeBackStream_, target) : ownStream(stream_, target);
 }
 
 c10d::Backend& StagingBackend::cpuCommunicator() {
@@ -162,17 +171,17 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
       break;
     }
   }
-  auto stream = stagingStream(own, target);
   StagedCall call(name, target, getSize(), *comm);
   WorkPtr work;
   try {
-    c10::OptionalStreamGuard guard(stream);
+    c10::OptionalStreamGuard guard(issueStream(own, target));
     work = run(call); // copy in, call the communicator
   } catch (...) {
     rethrowStaged(call.what());
   }
   call.issued();
   auto back = call.writeBack();
+  auto waitOn = waitStream(own, target);
   std::lock_guard<std::mutex> lock(mutex_);
   if (coalescing_ && coalescingThread_ == std::this_thread::get_id()) {
     coalescedBacks_.push_back(back);
@@ -182,7 +191,7 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
   std::vector<WorkPtr> works;
   if (work) works.push_back(work);
   return c10::make_intrusive<StagedWork>(std::move(works), std::vector<std::shared_ptr<WriteBack>>{back}, type,
-                                         stream);
+                                         waitOn);
 }
 
 void StagingBackend::startCoalescing() {
@@ -233,7 +242,7 @@ WorkPtr StagingBackend::endCoalescing() {
   if (backs.empty()) backs.push_back(std::make_shared<WriteBack>("coalesced", "comm staged nothing",
                                                                  std::vector<Piece>{}, Tensors{}, 1));
   return c10::make_intrusive<StagedWork>(std::move(works), std::move(backs), c10d::OpType::COALESCED,
-                                         stagingStream(true, target()));
+                                         waitStream(true, target()));
 }
 
 BackendPtr StagingBackend::split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,

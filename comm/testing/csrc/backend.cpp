@@ -377,35 +377,37 @@ class SimulatedBackend final : public c10d::Backend {
     return c10::make_intrusive<JoinedWork>(std::move(joined));
   }
 
+  // One of the reductions that cast bool and uint8 to int32 for HCCL (allreduce,
+  // allreduce_coalesced, reduce: master:ProcessGroupHCCL.cpp:4793-4796, 5070, 5153):
+  // `run` calls the host backend on host views of `tensors`, with the op as the host runs it.
+  // They come back by copy_: the values are gloo's on the bool or uint8 tensors themselves
+  // (OR for a bool SUM, sums modulo 256).
+  template <typename Options, typename Run>
+  WorkPtr casting(const char* function, Tensors& tensors, const Options& opts, c10d::OpType type, Run&& run) {
+    reducible(function, tensors, /*casts=*/true);
+    auto hosts = to_host(tensors);
+    auto host_opts = opts;
+    auto after = reduce_op(host_opts.reduceOp, hosts, tensors);
+    return done(run(hosts, host_opts), tensors, type, after);
+  }
   WorkPtr broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) override {
     mapped(tensors);
     auto hosts = to_host(tensors);
     return done(host_->broadcast(hosts, opts), tensors, c10d::OpType::BROADCAST);
   }
-  // bool and uint8 go to HCCL as int32 in allreduce, allreduce_coalesced and reduce
-  // (master:ProcessGroupHCCL.cpp:4793-4796, 5070, 5153) and come back by copy_: the values
-  // are gloo's on the bool or uint8 tensors themselves (OR for a bool SUM, sums modulo 256).
   WorkPtr allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) override {
-    reducible("allreduce", tensors, /*casts=*/true);
-    auto hosts = to_host(tensors);
-    auto host_opts = opts;
-    auto after = reduce_op(host_opts.reduceOp, hosts, tensors);
-    return done(host_->allreduce(hosts, host_opts), tensors, c10d::OpType::ALLREDUCE, after);
+    return casting("allreduce", tensors, opts, c10d::OpType::ALLREDUCE,
+                   [&](Tensors& hosts, c10d::AllreduceOptions& o) { return host_->allreduce(hosts, o); });
   }
   WorkPtr allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
-    reducible("allreduce_coalesced", tensors, /*casts=*/true);
-    auto hosts = to_host(tensors);
-    auto host_opts = opts;
-    auto after = reduce_op(host_opts.reduceOp, hosts, tensors);
-    return join(done(host_->allreduce_coalesced(hosts, host_opts), tensors, c10d::OpType::ALLREDUCE_COALESCED,
-                     after));
+    return join(casting("allreduce_coalesced", tensors, opts, c10d::OpType::ALLREDUCE_COALESCED,
+                        [&](Tensors& hosts, c10d::AllreduceCoalescedOptions& o) {
+                          return host_->allreduce_coalesced(hosts, o);
+                        }));
   }
   WorkPtr reduce(Tensors& tensors, const c10d::ReduceOptions& opts) override {
-    reducible("reduce", tensors, /*casts=*/true);
-    auto hosts = to_host(tensors);
-    auto host_opts = opts;
-    auto after = reduce_op(host_opts.reduceOp, hosts, tensors);
-    return done(host_->reduce(hosts, host_opts), tensors, c10d::OpType::REDUCE, after);
+    return casting("reduce", tensors, opts, c10d::OpType::REDUCE,
+                   [&](Tensors& hosts, c10d::ReduceOptions& o) { return host_->reduce(hosts, o); });
   }
   WorkPtr allgather(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) override {
     mapped(inputs);

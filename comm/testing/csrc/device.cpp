@@ -373,11 +373,22 @@ at::Tensor empty_strided(
 
 at::Tensor host_or_self(const at::Tensor& tensor) { return on_device(tensor) ? host_view(tensor) : tensor; }
 
+// Whether a host tensor lies in pinned memory.
+bool in_pinned(const at::Tensor& tensor) {
+  std::lock_guard<std::mutex> lock(pinned_mutex);
+  return pinned.count(tensor.storage().data()) > 0;
+}
+
 // A copy waits for what its devices were told to wait for. A blocking copy between the
 // host and the device is a host synchronisation, and a drain when work was queued on the
 // device: torch_npu's copy_ synchronises the current stream before a blocking H2D or D2H
 // copy (AclrtSynchronizeStreamWithTimeout, src@master torch_npu/csrc/aten/common/
-// CopyKernel.cpp:125-160), then copies synchronously.
+// CopyKernel.cpp:125-160), then copies synchronously. A non-blocking copy is queued on the
+// stream only when its host side is pinned; from or to pageable memory it blocks as a
+// blocking copy does. That is CUDA's rule (a pageable cudaMemcpyAsync is staged through
+// the driver synchronously). For torch_npu it is not confirmed here: its non-blocking
+// branch (CopyKernelOpApi.cpp) records an event for the host buffer only where that is
+// pinned; what it does for pageable memory was not read. The simulation takes CUDA's rule.
 at::Tensor& copy(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
   bool crosses = self.device().type() != src.device().type();
   if (crosses) ++transfers;
@@ -388,7 +399,9 @@ at::Tensor& copy(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
     queued = drain(tensor->device().index()) || queued;
     if (!device_side) device_side = tensor->device().index();
   }
-  if (crosses && !non_blocking && device_side) {
+  const at::Tensor& host = on_device(self) ? src : self;
+  bool blocks = !non_blocking || !in_pinned(host);
+  if (crosses && blocks && device_side) {
     ++device_counters[*device_side].host_syncs;
     if (queued) ++device_counters[*device_side].drains;
   }
