@@ -39,7 +39,7 @@ from comm._profile_figures import Measured, collective_dict, message, summary_ta
 from comm.launch import launch_info
 from comm.work import TimedWork
 
-__all__ = ["Profile", "profile"]
+__all__ = ["Profile", "is_profiling", "profile"]
 
 # Each timed function's parameters, in order: torch.distributed's signatures.
 _SIGNATURES: Dict[str, Tuple[str, ...]] = {
@@ -295,6 +295,14 @@ _LOCK = threading.Lock()
 _ACTIVE: Tuple[Profile, ...] = ()  # replaced whole: a reader never sees half of it
 # Who holds the timing wrappers in comm's ledger (comm._ledger).
 _BY = "comm.profile()"
+
+
+def is_profiling() -> bool:
+    """Whether a ``comm.profile()`` block is open in this process: while one is, torch's functions are timed.
+
+    For tests and tools that must know profiling is off (torch's functions are then torch's own).
+    """
+    return bool(_ACTIVE)
 
 
 def _open(block: Profile) -> None:
