@@ -3,62 +3,40 @@
 Sizes and bandwidths are nccl-tests': the message is the whole buffer a
 collective reduces, gathers or exchanges; algorithm bandwidth is its bytes over
 the seconds the call took, and bus bandwidth that times a factor per collective
-(what each rank's link carries), in GB/s of 10^9 bytes. Message sizes are grouped
+(what each rank's link carries), in GB/s of 10^9 bytes; each collective's row of
+:data:`comm.collectives.COLLECTIVES` names its message and factor. Message sizes are grouped
 by powers of two: the row of size ``S`` holds the messages of more than ``S/2``
 and at most ``S`` bytes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-# The argument whose bytes are the message, as nccl-tests counts it: the whole gathered,
-# reduced-then-scattered or exchanged buffer (otherwise "tensor"; gather and scatter: n of it).
-MESSAGE_ARGUMENT = {"all_gather": "tensor_list", "all_gather_into_tensor": "output_tensor",
-                    "all_gather_single": "output_tensor", "all_gather_coalesced": "output_tensor_lists",
-                    "reduce_scatter": "input_list", "reduce_scatter_tensor": "input", "reduce_scatter_single": "input",
-                    "all_to_all": "input_tensor_list", "all_to_all_single": "input", "all_reduce_coalesced": "tensors"}
-
-
-def _ring(n: int) -> float:
-    return (n - 1) / n
-
-
-# Bus bandwidth over algorithm bandwidth for n ranks, as nccl-tests defines it: all_reduce
-# moves each byte twice round the ring, all_gather and reduce_scatter (n-1)/n of it.
-# all_to_all, gather and scatter also move (n-1)/n of the message (the piece a rank keeps
-# never travels); broadcast, reduce and point-to-point move it once (the default, 1).
-_BUS_FACTOR: Dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * _ring(n),
-    "all_reduce_coalesced": lambda n: 2 * _ring(n),
-    **{name: _ring for name in ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_coalesced",
-                                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-                                "all_to_all", "all_to_all_single", "gather", "scatter")},
-}
+from comm.collectives import COLLECTIVES
 
 
 def _nbytes(value: Any) -> int:
-    """The bytes of a tensor, or of a list of them."""
+    """The bytes of a tensor, of a list of them, or of the tensor each P2POp of a list holds."""
     if type(value) is list or type(value) is tuple:
         return sum(_nbytes(item) for item in value)
-    return int(value.numel() * value.element_size())
+    tensor = getattr(value, "tensor", value)  # a P2POp (batch_isend_irecv's) holds its tensor; a tensor has none
+    return int(tensor.numel() * tensor.element_size())
 
 
 def message(name: str, call: Dict[str, Any], ranks: int) -> Tuple[int, float]:
     """The message of torch's function ``name`` called with ``call`` (its arguments by name) on ``ranks`` ranks.
 
-    Its bytes, and those times the collective's bus factor: what bus bandwidth divides by time.
+    Its bytes, and those times the collective's bus factor: what bus bandwidth divides
+    by time. Both as the call's row of :data:`comm.collectives.COLLECTIVES` says.
     """
-    if name == "barrier":
+    collective = COLLECTIVES[name]
+    if collective.message is None:
         return 0, 0.0
-    if name == "batch_isend_irecv":
-        nbytes = sum(_nbytes(op.tensor) for op in call["p2p_op_list"])
-    elif name in ("gather", "scatter"):
-        nbytes = _nbytes(call["tensor"]) * ranks
-    else:
-        nbytes = _nbytes(call[MESSAGE_ARGUMENT.get(name, "tensor")])
-    factor = _BUS_FACTOR.get(name)
-    return nbytes, nbytes * (1.0 if factor is None else factor(ranks))
+    nbytes = _nbytes(call[collective.message])
+    if collective.message_per_rank:
+        nbytes *= ranks
+    return nbytes, nbytes * collective.bus_factor(ranks)
 
 
 _UNREAD_LIMIT = 1024  # device event pairs kept unread before the finished ones are read

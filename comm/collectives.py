@@ -12,7 +12,9 @@ tensors lie on different devices (an NPU input gathered into CPU outputs), which
 c10d hands whole to the backend of the input's device.
 
 :data:`COLLECTIVES` describes each call once: the arguments it reads and those it
-writes. Everything else about a call is torch's.
+writes, and what :func:`comm.profile` counts of it (its message, as nccl-tests
+counts it, the bus factor, whether it always returns a work). Everything else about
+a call is torch's.
 
 What a call costs over torch's own: each function is written at import from its row
 of the table and torch's signature (no per-call binding). A call on a group whose
@@ -43,11 +45,42 @@ from comm import fallback, gaps, slot
 #     collective, whose place comm's function takes, logging a failure as it does.
 
 
+def _once(ranks: int) -> float:
+    """Bus over algorithm bandwidth where the message crosses each link once: broadcast, reduce, point-to-point."""
+    return 1.0
+
+
+def _ring(ranks: int) -> float:
+    """Bus over algorithm bandwidth where (n-1)/n of the message travels: the piece a rank keeps never does
+    (all_gather, reduce_scatter, all_to_all, gather, scatter)."""
+    return (ranks - 1) / ranks
+
+
+def _ring_twice(ranks: int) -> float:
+    """Bus over algorithm bandwidth of all_reduce: a reduce_scatter then an all_gather, each byte twice round."""
+    return 2 * _ring(ranks)
+
+
 class Collective(NamedTuple):
-    """What a call does with its tensors: the arguments (by torch's parameter names) it reads and writes."""
+    """What a call does with its tensors, by torch's parameter names, and what a profile counts of it.
+
+    ``reads`` and ``writes``: the arguments whose tensors it reads and writes (what
+    staging copies in and back). The rest is for :func:`comm.profile`, as nccl-tests
+    counts: ``message`` is the argument whose bytes are the message, the whole
+    gathered, reduced-then-scattered or exchanged buffer (None: no message, as
+    barrier's); ``message_per_rank`` that it holds one rank's piece, so the message
+    is the ranks times it (gather's and scatter's ``tensor``); ``bus_factor`` the bus
+    bandwidth over the algorithm bandwidth on n ranks; ``always_async`` that the
+    call returns a work whatever its arguments (no ``async_op``), so it is timed
+    until that work is waited on.
+    """
 
     reads: Tuple[str, ...]
     writes: Tuple[str, ...]
+    message: Optional[str] = "tensor"
+    message_per_rank: bool = False
+    bus_factor: Callable[[int], float] = _once
+    always_async: bool = False
 
     @property
     def mixes(self) -> bool:
@@ -56,27 +89,31 @@ class Collective(NamedTuple):
 
 
 COLLECTIVES: Dict[str, Collective] = {
-    "all_reduce": Collective(("tensor",), ("tensor",)),
-    "all_reduce_coalesced": Collective(("tensors",), ("tensors",)),
+    "all_reduce": Collective(("tensor",), ("tensor",), bus_factor=_ring_twice),
+    "all_reduce_coalesced": Collective(("tensors",), ("tensors",), message="tensors", bus_factor=_ring_twice),
     "broadcast": Collective(("tensor",), ("tensor",)),
     "reduce": Collective(("tensor",), ("tensor",)),
-    "all_gather": Collective(("tensor",), ("tensor_list",)),
-    "all_gather_into_tensor": Collective(("input_tensor",), ("output_tensor",)),
-    "all_gather_single": Collective(("input_tensor",), ("output_tensor",)),
-    "all_gather_coalesced": Collective(("input_tensor_list",), ("output_tensor_lists",)),
-    "reduce_scatter": Collective(("input_list",), ("output",)),
-    "reduce_scatter_tensor": Collective(("input",), ("output",)),
-    "reduce_scatter_single": Collective(("input",), ("output",)),
-    "gather": Collective(("tensor",), ("gather_list",)),
-    "scatter": Collective(("scatter_list",), ("tensor",)),
-    "all_to_all": Collective(("input_tensor_list",), ("output_tensor_list",)),
-    "all_to_all_single": Collective(("input",), ("output",)),
-    "barrier": Collective((), ()),
+    "all_gather": Collective(("tensor",), ("tensor_list",), message="tensor_list", bus_factor=_ring),
+    "all_gather_into_tensor": Collective(("input_tensor",), ("output_tensor",), message="output_tensor",
+                                         bus_factor=_ring),
+    "all_gather_single": Collective(("input_tensor",), ("output_tensor",), message="output_tensor", bus_factor=_ring),
+    "all_gather_coalesced": Collective(("input_tensor_list",), ("output_tensor_lists",),
+                                       message="output_tensor_lists", bus_factor=_ring),
+    "reduce_scatter": Collective(("input_list",), ("output",), message="input_list", bus_factor=_ring),
+    "reduce_scatter_tensor": Collective(("input",), ("output",), message="input", bus_factor=_ring),
+    "reduce_scatter_single": Collective(("input",), ("output",), message="input", bus_factor=_ring),
+    "gather": Collective(("tensor",), ("gather_list",), message_per_rank=True, bus_factor=_ring),
+    "scatter": Collective(("scatter_list",), ("tensor",), message_per_rank=True, bus_factor=_ring),
+    "all_to_all": Collective(("input_tensor_list",), ("output_tensor_list",), message="input_tensor_list",
+                             bus_factor=_ring),
+    "all_to_all_single": Collective(("input",), ("output",), message="input", bus_factor=_ring),
+    "barrier": Collective((), (), message=None),
     "send": Collective(("tensor",), ()),
-    "isend": Collective(("tensor",), ()),
+    "isend": Collective(("tensor",), (), always_async=True),
     "recv": Collective((), ("tensor",)),
-    "irecv": Collective((), ("tensor",)),
-    "batch_isend_irecv": Collective((), ()),
+    "irecv": Collective((), ("tensor",), always_async=True),
+    # Its message: the tensors its P2POps hold.
+    "batch_isend_irecv": Collective((), (), message="p2p_op_list", always_async=True),
 }
 # torch.distributed's own function for each, captured at import. Where this torch
 # lacks the *_single names (before 2.12), their older names stand in.

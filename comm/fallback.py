@@ -26,7 +26,6 @@ from comm.work import DeferredWork
 __all__ = ["group_of", "mixes_devices", "run"]
 
 _GROUP_INDEX: Dict[str, int] = {}
-_ASYNC = ("isend", "irecv")
 
 
 def group_of(name: str, torch_call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -106,7 +105,10 @@ class _Copies:
 
 def run(name: str, collective: Any, torch_call: Callable[..., Any], call: Callable[..., Any], args: Any,
         kwargs: Any) -> Any:
-    """``call`` (with ``torch_call``'s signature) with every tensor on an unserved device staged onto a served one."""
+    """``call`` (with ``torch_call``'s signature) with every tensor on an unserved device staged onto a served one.
+
+    ``collective`` is the call's row of :data:`comm.collectives.COLLECTIVES`: what it reads, writes, and whether
+    it always returns a work."""
     if name == "batch_isend_irecv":
         return _batch(call, *args, **kwargs) if group_of(name, torch_call, args, kwargs) else call(*args, **kwargs)
     bound = inspect.signature(torch_call).bind(*args, **kwargs)
@@ -117,7 +119,7 @@ def run(name: str, collective: Any, torch_call: Callable[..., Any], call: Callab
                                                       parameter in collective.writes)
     if not copies.any():
         return call(*args, **kwargs)
-    async_op = bool(bound.arguments.get("async_op", False)) or name in _ASYNC
+    async_op = bool(bound.arguments.get("async_op", False)) or collective.always_async
     return copies.finish(name, call(*bound.args, **bound.kwargs), async_op)
 
 

@@ -35,31 +35,29 @@ import torch.distributed.distributed_c10d as c10d
 
 from comm import _ledger, collectives, observability
 from comm._env import env_switch
-from comm._profile_figures import MESSAGE_ARGUMENT, Measured, collective_dict, message, summary_table
+from comm._profile_figures import Measured, collective_dict, message, summary_table
 from comm.launch import launch_info
 from comm.work import TimedWork
 
-__all__ = ["Profile", "profile"]
+__all__ = ["Profile", "is_profiling", "profile"]
 
 # Each timed function's parameters, in order: torch.distributed's signatures.
 _SIGNATURES: Dict[str, Tuple[str, ...]] = {
     name: tuple(inspect.signature(function).parameters) for name, function in collectives.TORCH.items()
 }
-_ALWAYS_ASYNC = frozenset({"isend", "irecv", "batch_isend_irecv"})
 
 
 def _a_tensor(name: str, arguments: Dict[str, Any]) -> Optional[torch.Tensor]:
     """A tensor of the call, from its message: the device it runs on, which chooses the clock."""
-    if name == "barrier":
+    argument = collectives.COLLECTIVES[name].message
+    if argument is None:
         return None
-    if name == "batch_isend_irecv":
-        return arguments["p2p_op_list"][0].tensor if arguments["p2p_op_list"] else None
-    value: Any = arguments[MESSAGE_ARGUMENT.get(name, "tensor")]
+    value: Any = arguments[argument]
     while isinstance(value, (list, tuple)):
         if not value:
             return None
         value = value[0]
-    tensor: Optional[torch.Tensor] = value
+    tensor: Optional[torch.Tensor] = getattr(value, "tensor", value)  # a P2POp holds its tensor
     return tensor
 
 
@@ -190,6 +188,7 @@ def _file(profiles: Tuple["Profile", ...], name: str, function: str, arguments: 
 def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     """``original`` (torch's function ``name``), timed into every open profile."""
     params = _SIGNATURES[name]
+    always_async = collectives.COLLECTIVES[name].always_async
 
     @functools.wraps(original)
     def timed(*args: Any, **kwargs: Any) -> Any:
@@ -206,7 +205,7 @@ def _timed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             started = clock.start()
             result = original(*args, **kwargs)
-            elapsed = None if name in _ALWAYS_ASYNC or arguments.get("async_op") else clock.elapsed(started)
+            elapsed = None if always_async or arguments.get("async_op") else clock.elapsed(started)
         finally:
             _INSIDE.depth -= 1
         if elapsed is not None:
@@ -296,6 +295,14 @@ _LOCK = threading.Lock()
 _ACTIVE: Tuple[Profile, ...] = ()  # replaced whole: a reader never sees half of it
 # Who holds the timing wrappers in comm's ledger (comm._ledger).
 _BY = "comm.profile()"
+
+
+def is_profiling() -> bool:
+    """Whether a ``comm.profile()`` block is open in this process: while one is, torch's functions are timed.
+
+    For tests and tools that must know profiling is off (torch's functions are then torch's own).
+    """
+    return bool(_ACTIVE)
 
 
 def _open(block: Profile) -> None:

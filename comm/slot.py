@@ -44,8 +44,8 @@ from comm._releases import backend_options
 from comm.device import accelerator_type, bound_device, current_device
 from comm.groups import GroupCache, backend_config, backends_by_device, resolve_group
 
-__all__ = ["adopt_thread", "communicators", "equip", "existing_groups", "own_types", "ready", "staged_types",
-           "staging_device", "target_device", "unavailable_reason"]
+__all__ = ["adopt_thread", "cached_groups", "communicators", "equip", "existing_groups", "own_types", "ready",
+           "staged_types", "staging_device", "target_device", "unavailable_reason"]
 
 # torch's private names this module uses, each because no public API does the job
 # (comm/_torch_private.py lists every private name comm uses; tests/test_torch_private.py
@@ -140,6 +140,15 @@ def ready(group: Optional[dist.ProcessGroup]) -> bool:
             equip(group)
         _READY.set(group, known)
     return known
+
+
+def cached_groups() -> int:
+    """How many process groups :func:`ready` remembers, equipped or not.
+
+    For tests that comm keeps no group alive: once a destroyed group is collected,
+    the count drops by one.
+    """
+    return len(_READY)
 
 
 def adopt_thread(group: Optional[dist.ProcessGroup] = None) -> None:
