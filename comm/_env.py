@@ -1,4 +1,5 @@
-"""comm's environment switches (``COMM_PATCH``, ``COMM_PROFILE``): read one way, refused when not understood."""
+"""comm's environment settings (``COMM_PATCH``, ``COMM_PROFILE``, ``COMM_STAGING_CHUNK_BYTES``): read one way,
+refused when not understood."""
 
 from __future__ import annotations
 
@@ -19,3 +20,13 @@ def env_switch(name: str, expected: str, also: Tuple[str, ...] = ()) -> str:
     if mode in also:
         return mode
     raise ValueError(f"{name}={value!r} is not understood; expected {expected}")
+
+
+def env_bytes(name: str, default: int) -> int:
+    """Environment variable ``name`` as a whole number of bytes, ``default`` when unset or empty; else refused."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r} is not understood; expected a whole number of bytes (0: never)")
+    return int(value)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from comm._env import env_bytes
 from comm._native import STAGING
 from comm._releases import backend_options
 from comm.device import accelerator_type, bound_device, current_device
@@ -46,6 +47,11 @@ from comm.groups import GroupCache, backend_config, backends_by_device, resolve_
 
 __all__ = ["adopt_thread", "cached_groups", "communicators", "equip", "existing_groups", "own_types", "ready",
            "staged_types", "staging_device", "target_device", "unavailable_reason"]
+
+# A host tensor's all-reduce of at least twice this many bytes is staged in chunks of
+# this size, pipelined (COMM_STAGING_CHUNK_BYTES overrides it; 0: never). Chosen without
+# a device to measure on: large enough that a chunk's copies run near a link's full speed.
+CHUNK_BYTES = 16 << 20
 
 # torch's private names this module uses, each because no public API does the job
 # (comm/_torch_private.py lists every private name comm uses; tests/test_torch_private.py
@@ -103,10 +109,12 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
         label = _free_label(pg)
         name = pg.group_name  # c10d reads the name from the first backend by device type: put it back after
         factories = (_communicator_factory(pg, target), _cpu_communicator_factory(pg, target))
+        chunk_bytes = env_bytes("COMM_STAGING_CHUNK_BYTES", CHUNK_BYTES)
         try:
-            backend = native.staging_backend(pg.rank(), pg.size(), target, pg._get_backend(target), *factories)
+            backend = native.staging_backend(pg.rank(), pg.size(), target, pg._get_backend(target), *factories,
+                                             chunk_bytes=chunk_bytes)
         except TypeError:  # the group's backend there is no c10d Backend comm can hold: comm's own for every thread
-            backend = native.staging_backend(pg.rank(), pg.size(), target, None, *factories)
+            backend = native.staging_backend(pg.rank(), pg.size(), target, None, *factories, chunk_bytes=chunk_bytes)
         for device_type in missing:
             pg._register_backend(torch.device(device_type), label, backend)
         pg._set_group_name(name)

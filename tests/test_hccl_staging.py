@@ -223,3 +223,36 @@ def test_get_future_returns_before_the_collective_ends(staged_cost):
     """A staged call's future is completed by comm's completion thread: get_future() itself never waits."""
     assert staged_cost[0]["get_future seconds"] < LATE / 2
     assert all(seen["future's value"] for seen in staged_cost)
+
+
+def _pipelined(rank, world_size):
+    """All-reduces of host tensors above and below the chunk size (COMM_STAGING_CHUNK_BYTES=4096: 1,024 floats)."""
+    comm.patch(clip_grad_norm=False)
+    try:
+        seen = {}
+        for numel, op in ((10_000, dist.ReduceOp.SUM), (10_000, dist.ReduceOp.AVG), (2_000, dist.ReduceOp.SUM)):
+            tensor = _values(rank, numel)
+            expected = sum(_values(r, numel) for r in range(world_size))
+            if op == dist.ReduceOp.AVG:
+                expected = expected / world_size
+            before = comm.stats().get("all_reduce", {}).get("staged_calls", 0)
+            dist.all_reduce(tensor, op=op)
+            calls = comm.stats()["all_reduce"]["staged_calls"] - before
+            seen[(numel, str(op))] = (calls, torch.allclose(tensor, expected))
+        tensor = _values(rank, 10_000)
+        future = dist.all_reduce(tensor, async_op=True).get_future()
+        seen["future"] = torch.equal(future.wait()[0], sum(_values(r, 10_000) for r in range(world_size)))
+        return seen
+    finally:
+        comm.unpatch()
+
+
+def test_a_large_host_all_reduce_runs_in_pipelined_chunks():
+    """At least twice the chunk size: one staged all-reduce per chunk (10,000 floats in 1,024s: 10), torch's values,
+    AVG too; below it, one call; the work's future holds the whole tensor."""
+    env = {"COMM_STAGING_CHUNK_BYTES": "4096"}
+    for seen in run_ranks(_pipelined, 2, backend="hccl", simulate=NPU, env=env):
+        assert seen[(10_000, str(dist.ReduceOp.SUM))] == (10, True)
+        assert seen[(10_000, str(dist.ReduceOp.AVG))] == (10, True)
+        assert seen[(2_000, str(dist.ReduceOp.SUM))] == (1, True)
+        assert seen["future"]

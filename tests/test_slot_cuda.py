@@ -92,6 +92,64 @@ def test_staged_bandwidth_of_a_256_mib_pageable_tensor(nccl_group):
     gigabytes = 2 * host.nbytes / 1e9  # in and back
     rates = {name: gigabytes / s for name, s in seconds.items()}
     print(f"\nstaged all_reduce of 256 MiB pageable: comm {rates['comm']:.1f} GB/s, by hand through pinned memory "
-          f"{rates['by hand']:.1f} GB/s, ratio {rates['comm'] / rates['by hand']:.3f} (target >= 0.87)")
+          f"{rates['by hand']:.1f} GB/s, ratio {rates['comm'] / rates['by hand']:.3f} (target >= 0.9)")
     assert torch.equal(host[:4], torch.ones(4))
-    assert rates["comm"] >= 0.87 * rates["by hand"]
+    assert rates["comm"] >= 0.9 * rates["by hand"]
+
+
+def _seconds(call, repeats=5):
+    """Median wall-clock seconds of ``call()`` followed by a device synchronisation, after one warm-up call."""
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def test_pipelined_staging_against_the_slowest_of_its_parts(nccl_group):
+    """256 MiB staged in 16 MiB chunks (comm's default): copy in, all_reduce and copy back overlap, so the whole takes
+    little more than its slowest part alone (target <= x1.2)."""
+    comm.equip()
+    host = torch.ones(1 << 26)  # 256 MiB of float32, pageable
+    pinned = torch.empty_like(host).pin_memory()
+    device = torch.empty_like(host, device="cuda")
+
+    def copy_in():
+        pinned.copy_(host)
+        device.copy_(pinned, non_blocking=True)
+
+    def copy_back():
+        pinned.copy_(device, non_blocking=True)
+        torch.cuda.synchronize()
+        host.copy_(pinned)
+
+    parts = {"copy in": _seconds(copy_in), "all_reduce": _seconds(lambda: dist.all_reduce(device)),
+             "copy back": _seconds(copy_back)}
+    whole = _seconds(lambda: dist.all_reduce(host))
+    slowest = max(parts.values())
+    print("\npipelined staged all_reduce of 256 MiB: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in parts.items())
+          + f"; whole {whole * 1e3:.1f} ms, x{whole / slowest:.2f} of the slowest part (target <= x1.2)")
+    assert torch.equal(host[:4], torch.ones(4))
+    assert whole <= 1.2 * slowest
+
+
+def test_get_future_of_a_staged_call_does_not_block(nccl_group):
+    """get_future() returns before the staged collective and its write-back end; the future then holds the result."""
+    comm.equip()
+    host = torch.ones(1 << 26)
+    dist.all_reduce(host)  # warm: pinned buffers, the write-back stream
+    start = time.perf_counter()
+    work = dist.all_reduce(host, async_op=True)
+    issued = time.perf_counter()
+    future = work.get_future()
+    returned = time.perf_counter()
+    result = future.wait()[0]
+    done = time.perf_counter()
+    print(f"\nstaged all_reduce of 256 MiB: issued in {(issued - start) * 1e3:.1f} ms, get_future() returned in "
+          f"{(returned - issued) * 1e3:.2f} ms, the future completed after {(done - start) * 1e3:.1f} ms")
+    assert result is host and torch.equal(host[:4], torch.ones(4))
+    assert returned - issued < 0.1 * (done - start)

@@ -1,6 +1,8 @@
 // Every collective and point-to-point call of c10d's Backend, staged: each says what
 // it copies in (StagedCall::in), what it writes back (out, inOut), and what it calls on
 // the communicator; StagingBackend::stage does the rest.
+#include <algorithm>
+
 #include "staging.h"
 #include "torch_releases.h"
 
@@ -36,7 +38,40 @@ WorkPtr StagingBackend::broadcast(Tensors& tensors, const c10d::BroadcastOptions
   });
 }
 
+Tensors StagingBackend::chunksOf(const Tensors& tensors) {
+  if (chunkBytes_ <= 0 || tensors.size() != 1) return {};
+  const auto& tensor = tensors.front();
+  auto chunk = std::max<int64_t>(1, chunkBytes_ / tensor.element_size());
+  if (!tensor.device().is_cpu() || !tensor.is_contiguous() || tensor.numel() < 2 * chunk) return {};
+  communicator(); // fixes the target
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (target_.is_cpu() || coalescing_) return {};
+  }
+  Tensors chunks;
+  auto flat = tensor.view(-1);
+  for (int64_t start = 0; start < flat.numel(); start += chunk) {
+    chunks.push_back(flat.narrow(0, start, std::min(chunk, flat.numel() - start)));
+  }
+  return chunks;
+}
+
 WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
+  auto chunks = chunksOf(tensors);
+  if (chunks.empty()) return allreduceWhole(tensors, opts);
+  std::vector<WorkPtr> works;
+  for (auto& chunk : chunks) {
+    Tensors one{chunk};
+    works.push_back(allreduceWhole(one, opts));
+  }
+  // The work's result is the caller's tensor; each chunk's work writes its part back.
+  auto whole = std::make_shared<WriteBack>("all_reduce", c10::str("comm staged all_reduce in ", chunks.size(), " chunks"),
+                                           std::vector<Piece>{}, tensors, 1);
+  return c10::make_intrusive<StagedWork>(std::move(works), std::vector<std::shared_ptr<WriteBack>>{whole},
+                                         c10d::OpType::ALLREDUCE);
+}
+
+WorkPtr StagingBackend::allreduceWhole(Tensors& tensors, const c10d::AllreduceOptions& opts) {
   Reduction reduction{"allreduce", tensors};
   return stage("all_reduce", c10d::OpType::ALLREDUCE,
                [&](StagedCall& call) { return allreduceCopies(call, call.inOut(tensors), opts); }, &reduction);

@@ -10,15 +10,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "staging_backend",
       [](int rank, int size, c10::Device target, std::optional<BackendPtr> own, CommunicatorFactory factory,
-         CommunicatorFactory cpuFactory) -> BackendPtr {
+         CommunicatorFactory cpuFactory, int64_t chunkBytes) -> BackendPtr {
         return c10::make_intrusive<StagingBackend>(rank, size, target, own ? *own : BackendPtr(), std::move(factory),
-                                                   std::move(cpuFactory));
+                                                   std::move(cpuFactory), chunkBytes);
       },
       pybind11::arg("rank"), pybind11::arg("size"), pybind11::arg("target"), pybind11::arg("own"),
       pybind11::arg("communicator"), pybind11::arg("cpu_communicator") = pybind11::none(),
+      pybind11::arg("chunk_bytes") = 0,
       "A c10d Backend that stages each call onto `target` and runs it on `own` (the group's backend there) "
       "from the calling thread, on the backend `communicator()` makes from any other thread; CPU reductions of "
-      "dtypes those cannot reduce run on the gloo backend `cpu_communicator()` makes.");
+      "dtypes those cannot reduce run on the gloo backend `cpu_communicator()` makes. A host tensor's all-reduce "
+      "of at least 2 x `chunk_bytes` runs pipelined in chunks of that size (0: never).");
   m.def(
       "communicators_made",
       [](const BackendPtr& backend) -> std::map<std::string, int64_t> {

@@ -208,10 +208,12 @@ class StagingBackend final : public c10d::Backend {
   // makes the communicator of other threads. `cpuFactory` (may be empty): makes a gloo
   // communicator over the group's store, for CPU reductions of dtypes the group's
   // backend cannot reduce (made at the first one).
+  // `chunkBytes`: a host tensor's all-reduce of at least twice this many bytes runs
+  // pipelined, in chunks of this size (0: never).
   StagingBackend(int rank, int size, at::Device target, BackendPtr own, CommunicatorFactory factory,
-                 CommunicatorFactory cpuFactory = nullptr);
+                 CommunicatorFactory cpuFactory = nullptr, int64_t chunkBytes = 0);
   // A backend split from another: every thread runs on `communicator`, comm's own.
-  StagingBackend(int rank, int size, at::Device target, BackendPtr communicator);
+  StagingBackend(int rank, int size, at::Device target, BackendPtr communicator, int64_t chunkBytes);
 
   const std::string getBackendName() const override { return "comm"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
@@ -271,6 +273,14 @@ class StagingBackend final : public c10d::Backend {
   // communicator, or is refused before anything is copied.
   WorkPtr stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run,
                 const Reduction* reduction = nullptr);
+  // An all-reduce of one tensor, staged whole.
+  WorkPtr allreduceWhole(Tensors& tensors, const c10d::AllreduceOptions& opts);
+  // The chunks a host tensor's all-reduce runs in, pipelined: each chunk is copied in,
+  // reduced and copied back as a staged call of its own, so that on the device one
+  // chunk's copy overlaps another's collective (the copies in and the collectives are
+  // queued at the call, the copies back at the wait). None where the call runs whole:
+  // several tensors, a device tensor, a CPU target, a coalescing block, a small tensor.
+  Tensors chunksOf(const Tensors& tensors);
   // The communicator the calling thread's staged calls run on: the group's own backend on
   // the group's thread, else comm's, made at the first such call. Fixes the target at
   // the first staged call.
@@ -315,6 +325,7 @@ class StagingBackend final : public c10d::Backend {
   std::optional<c10::Stream> stream_; // comm's communicator's stream (issueStream)
   std::optional<c10::Stream> writeBackStream_; // the group's thread's write-backs (waitStream)
   std::chrono::milliseconds timeout_;
+  const int64_t chunkBytes_;
   // Between startCoalescing and endCoalescing: the works and write-backs issued so far;
   // works of calls that ran on the CPU communicator, outside the communicator's block, apart.
   // A block is the thread's that opened it, on that thread's communicator: calls from

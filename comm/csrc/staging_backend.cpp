@@ -12,13 +12,14 @@
 namespace comm_native {
 
 StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr own, CommunicatorFactory factory,
-                               CommunicatorFactory cpuFactory)
+                               CommunicatorFactory cpuFactory, int64_t chunkBytes)
     : Backend(rank, size), target_(target), own_(std::move(own)), owner_(std::this_thread::get_id()),
-      factory_(std::move(factory)), cpuFactory_(std::move(cpuFactory)), timeout_(kBackendDefaultTimeout) {}
+      factory_(std::move(factory)), cpuFactory_(std::move(cpuFactory)), timeout_(kBackendDefaultTimeout),
+      chunkBytes_(chunkBytes) {}
 
-StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr communicator)
+StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr communicator, int64_t chunkBytes)
     : Backend(rank, size), target_(target), owner_(std::this_thread::get_id()),
-      communicator_(std::move(communicator)), timeout_(kBackendDefaultTimeout) {}
+      communicator_(std::move(communicator)), timeout_(kBackendDefaultTimeout), chunkBytes_(chunkBytes) {}
 
 at::Device StagingBackend::target() const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -255,7 +256,7 @@ BackendPtr StagingBackend::split(const c10::intrusive_ptr<c10d::Store>& store, c
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("comm-staging", store);
   auto part = comm.split(prefixed, ranks, comm.getBackendOptions());
   if (!part) return nullptr; // this rank is in none of the new groups
-  auto split = c10::make_intrusive<StagingBackend>(part->getRank(), part->getSize(), target(), part);
+  auto split = c10::make_intrusive<StagingBackend>(part->getRank(), part->getSize(), target(), part, chunkBytes_);
   auto timeout = opts ? opts->timeout : getBackendOptions()->timeout;
   std::lock_guard<std::mutex> lock(split->mutex_);
   split->timeout_ = timeout;
