@@ -77,6 +77,14 @@ def _model():
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
+def _device_communicators(rank):
+    """The HCCL communicators living on the rank's simulated NPU (the groups' own and comm's) and their memory."""
+    from comm.testing import device_counters
+
+    counted = device_counters(rank)
+    return counted["communicators"], counted["communicator_bytes"]
+
+
 def _mesh_and_fsdp_offload(rank, world_size):
     """Three groups under comm.patch() (a DeviceMesh's, two new_group's), then an FSDP2 offload step."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -90,6 +98,7 @@ def _mesh_and_fsdp_offload(rank, world_size):
         seen = {"groups": len({g.group_name for g in groups.values()}),
                 "problems": {name: _staged_calls_on(group, rank) for name, group in groups.items()}}
         seen["after staged calls"] = comm.slot.communicators()
+        seen["device after staged calls"] = _device_communicators(rank)
         model = _model()
         for module in [model[0], model[2], model]:
             fully_shard(module, mesh=mesh, offload_policy=CPUOffloadPolicy())
@@ -101,6 +110,7 @@ def _mesh_and_fsdp_offload(rank, world_size):
         seen["fsdp staged"] = sum(entry["staged_calls"] for entry in comm.stats().values())
         seen["norm"] = float(norm)
         seen["after fsdp step"] = comm.slot.communicators()
+        seen["device after fsdp step"] = _device_communicators(rank)
         # A staged call from a thread of its own: comm makes one communicator, for that group only.
         from_a_thread = []
         worker = threading.Thread(target=lambda: from_a_thread.extend(_staged_calls_on(groups["tp"], rank)))
@@ -108,6 +118,7 @@ def _mesh_and_fsdp_offload(rank, world_size):
         worker.join()
         seen["thread problems"] = from_a_thread
         seen["after another thread"] = comm.slot.communicators()
+        seen["device after another thread"] = _device_communicators(rank)
         seen["again on the group's thread"] = _staged_calls_on(groups["tp"], rank)
         seen["finally"] = comm.slot.communicators()
         return seen
@@ -133,6 +144,17 @@ def test_an_fsdp2_offload_step_makes_no_communicator(mesh_and_fsdp):
         assert seen["fsdp staged"] > 0  # the step staged (the norm of CPU gradients) ...
         assert _made(seen["after fsdp step"]) == 0, seen["after fsdp step"]  # ... on the groups' own hccl
         assert seen["norm"] > 0
+        # The device holds the groups' own communicators only, before the step and after it.
+        assert seen["device after fsdp step"] == seen["device after staged calls"]
+
+
+def test_another_threads_communicator_costs_what_hccl_charges(mesh_and_fsdp):
+    """comm's one communicator, on HCCL: a collective communicator with its HCCL_BUFFSIZE (200 MiB by default) and,
+    for the thread's send and receive, a point-to-point one with 2 x P2P_HCCL_BUFFSIZE (40 MiB); nothing else."""
+    for seen in mesh_and_fsdp:
+        (before, held), (after, now) = seen["device after fsdp step"], seen["device after another thread"]
+        assert (after - before, now - held) == (2, (200 + 40) << 20)
+        print(f"\nrank's device: {before} communicators, {held >> 20} MiB before; {after}, {now >> 20} MiB after")
 
 
 def test_another_thread_gets_one_communicator_of_the_groups_kind(mesh_and_fsdp):
