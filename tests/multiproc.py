@@ -4,6 +4,10 @@ Ranks are forked from a forkserver that has already imported torch, so a scenari
 costs one fork per rank rather than one interpreter start. Rendezvous is a
 FileStore in a fresh temporary directory: no ports, safe under pytest-xdist.
 
+``in_one_rank`` calls a function in a process kept for the whole test session: rank 0
+of a one-rank hccl group on the simulated NPU, for tests that need no second rank and
+no fresh process (each call then costs a round trip, not a process start).
+
 ``run_launched`` starts plain interpreters instead, with an environment as a launcher
 (srun, mpirun) builds it: for rendezvous that comm must find on its own.
 
@@ -13,6 +17,7 @@ FileStore in a fresh temporary directory: no ports, safe under pytest-xdist.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import multiprocessing
 import os
@@ -131,6 +136,136 @@ def run_ranks(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def in_one_rank(fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> Any:
+    """Call ``fn(*args)`` in this test process's one-rank worker; return its result.
+
+    The worker is what ``run_ranks(fn, 1, backend="hccl", simulate=NPU)`` makes of a
+    rank (the simulated NPU bound to ``npu:0``, the default group on hccl), but started
+    at the first call and kept for every later one: one per pytest (or xdist worker)
+    process, stopped at exit, started again by the next call if it died. Results come
+    back by pickle, as from ``run_ranks``: plain values and CPU tensors. An exception in
+    ``fn`` fails the call with the worker's traceback; the worker carries on.
+
+    ``fn`` must leave the worker as it found it: ``comm.unpatch()`` in a ``finally``,
+    every group it made destroyed. The worker checks both after each call, fails the
+    call that left either behind and puts it right, so one test cannot poison the next.
+    """
+    global _ONE_RANK
+    skip_unless_simulation()
+    if _ONE_RANK is None or not _ONE_RANK.is_alive():
+        _ONE_RANK = _OneRankWorker()
+    return _ONE_RANK.call(fn, args, timeout)
+
+
+class _OneRankWorker:
+    """The parent's end of the one-rank worker: its process, the queues to and from it, its scratch folder."""
+
+    def __init__(self) -> None:
+        self.workdir = tempfile.mkdtemp(prefix="comm-test-")
+        self.requests: "multiprocessing.Queue[Optional[bytes]]" = _CONTEXT.Queue()
+        self.replies: "multiprocessing.Queue[Tuple[bool, Any]]" = _CONTEXT.Queue()
+        self.process = _CONTEXT.Process(target=_serve_one_rank, args=(self.workdir, self.requests, self.replies),
+                                        daemon=True)
+        self.process.start()
+        atexit.register(self.stop)
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def call(self, fn: Callable[..., Any], args: Sequence[Any], timeout: float) -> Any:
+        # Pickled here, not by the queue's feeder thread, so that an unpicklable fn fails the test at once.
+        self.requests.put(pickle.dumps((fn, tuple(args))))
+        ok, value = self._reply(timeout)
+        if not ok:
+            raise AssertionError(f"one-rank test failed:\n{value}")
+        return pickle.loads(value)
+
+    def _reply(self, timeout: float) -> Tuple[bool, Any]:
+        """The worker's answer; a worker that dies or overruns ``timeout`` is stopped, and the next call starts anew."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                return self.replies.get(timeout=0.2)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    return False, f"the one-rank worker died (exit code {self.process.exitcode})"
+        self.stop()
+        return False, f"the one-rank worker did not answer within {timeout}s: stopped"
+
+    def stop(self) -> None:
+        """Ask the worker to tear its group down and exit; kill it if it does not."""
+        if self.process.is_alive():
+            self.requests.put(None)
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+_ONE_RANK: Optional[_OneRankWorker] = None
+
+
+def _serve_one_rank(workdir: str, requests: Any, replies: Any) -> None:
+    """The worker: become the one rank, then answer each request until told to stop (None) or the world is gone."""
+    import torch.distributed as dist
+
+    try:
+        _become_rank(0, 1, "hccl", NPU, {}, workdir, 60.0)
+    except BaseException:  # noqa: BLE001 - the first caller reads why the worker could not start
+        replies.put((False, traceback.format_exc()))
+        return
+    world = dist.group.WORLD
+    try:
+        for request in iter(requests.get, None):
+            replies.put(_answer(request, world))
+            if dist.group.WORLD is not world:
+                return  # a call destroyed the world: this worker cannot serve the next one
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _answer(request: bytes, world: Any) -> Tuple[bool, Any]:
+    """``fn(*args)``'s pickled result, or its traceback; either way, a failure if it left the worker changed."""
+    try:
+        fn, args = pickle.loads(request)
+        ok, value = True, pickle.dumps(fn(*args))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the caller
+        ok, value = False, traceback.format_exc()
+    left = _put_right(world)
+    if not left:
+        return ok, value
+    before = "" if ok else value + "\n"
+    return False, before + "the call left the one-rank worker changed (put right now): " + "; ".join(left)
+
+
+def _put_right(world: Any) -> List[str]:
+    """What a call left changed in the worker, each undone: comm's patch, the translation, groups beside ``world``."""
+    import torch.distributed as dist
+
+    import comm
+    import comm.slot
+    import comm.translate
+
+    left = []
+    if comm.is_patched():
+        left.append("comm is patched (call comm.unpatch() in a finally)")
+        comm.unpatch()
+    if comm.translate.is_installed():
+        left.append("the device translation is installed")
+        comm.translate.uninstall()
+    if dist.group.WORLD is not world:
+        left.append("the world group was destroyed or replaced (the worker stops; the next call starts another)")
+        return left
+    extra = [group for group in comm.slot.existing_groups() if group is not world]
+    if extra:
+        left.append(f"{len(extra)} process group(s) beside the world's not destroyed")
+        for group in extra:
+            dist.destroy_process_group(group)
+    return left
+
+
 def _collect(processes: List[Any], results: Any, world_size: int, timeout: float, dead: Set[int]) -> List[Any]:
     outcomes: Dict[int, Any] = {rank: (True, pickle.dumps(None)) for rank in dead}
     deadline = time.monotonic() + timeout
@@ -169,19 +304,7 @@ def _rank_main(
     survivors: int,
 ) -> None:
     try:
-        os.environ.update(env)
-        os.environ.update(
-            {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-             STORE_ENV: os.path.join(workdir, "store")}
-        )
-        if simulate is not None:
-            import comm
-            import comm.testing
-
-            comm.testing.simulate_accelerator(**simulate)
-            comm.bind(rank)
-        if backend is not None:
-            init_group(backend, rank, world_size, pg_timeout)
+        _become_rank(rank, world_size, backend, simulate, env, workdir, pg_timeout)
         value = fn(rank, world_size, *args)
         _wait_for_each_other(workdir, survivors)
         # Plain pickle copies tensor data; the queue's own pickler would share it
@@ -194,6 +317,31 @@ def _rank_main(
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _become_rank(
+    rank: int,
+    world_size: int,
+    backend: Optional[str],
+    simulate: Optional[Dict[str, Any]],
+    env: Dict[str, str],
+    workdir: str,
+    pg_timeout: float,
+) -> None:
+    """Make this process rank ``rank`` of ``world_size``: its environment, its simulated device, its group."""
+    os.environ.update(env)
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+         STORE_ENV: os.path.join(workdir, "store")}
+    )
+    if simulate is not None:
+        import comm
+        import comm.testing
+
+        comm.testing.simulate_accelerator(**simulate)
+        comm.bind(rank)
+    if backend is not None:
+        init_group(backend, rank, world_size, pg_timeout)
 
 
 def _wait_for_each_other(workdir: str, survivors: int) -> None:
