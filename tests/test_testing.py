@@ -9,7 +9,7 @@ import torch.distributed as dist
 import comm
 import comm.testing
 
-from multiproc import NPU, SEED_ERROR, run_ranks
+from multiproc import NPU, SEED_ERROR, in_one_rank, run_ranks
 
 
 def _tensors_and_collectives(rank, world_size):
@@ -112,7 +112,7 @@ def test_simulated_npu_behaves_like_a_device():
         assert seen["thread_device"] == (rank, 0)
 
 
-def _setup_rules(rank, world_size):
+def _setup_rules():
     comm.testing.simulate_accelerator(**NPU)  # same arguments again: nothing to do
     with pytest.raises(RuntimeError, match="already set up"):
         comm.testing.simulate_accelerator("npu", "hccl", device_count=2)
@@ -120,7 +120,7 @@ def _setup_rules(rank, world_size):
 
 
 def test_setup_is_idempotent_and_exclusive():
-    assert run_ranks(_setup_rules, 1, backend=None, simulate=NPU) == ["npu"]
+    assert in_one_rank(_setup_rules) == "npu"
 
 
 @pytest.mark.parametrize(
@@ -269,7 +269,7 @@ def test_dtensor_redistributes_npu_shards_and_cpu_tensors_fail_everywhere():
         assert seen["composite"] == ([2.0, 2.0], [2.0, 2.0], ["cpu", "npu"])
 
 
-def _conjugate_and_negative_views(rank, world_size):
+def _conjugate_and_negative_views():
     values = torch.tensor([1 + 2j, 3 - 4j])
     on_npu = values.to("npu")
     torch.empty(0).pin_memory()  # no memory to pin: it must not mark every empty tensor pinned
@@ -284,7 +284,7 @@ def _conjugate_and_negative_views(rank, world_size):
 
 
 def test_conjugate_and_negative_views_and_empty_pinned_memory():
-    [seen] = run_ranks(_conjugate_and_negative_views, 1, backend=None, simulate=NPU)
+    seen = in_one_rank(_conjugate_and_negative_views)
     assert all(seen.values()), seen
 
 

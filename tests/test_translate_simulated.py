@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiproc import NPU, free_port, no_cuda_errors, run_ranks
+from multiproc import NPU, free_port, in_one_rank, no_cuda_errors, run_ranks
 
 
 def _cuda_calls_on_the_npu(rank, world_size):
@@ -106,29 +106,30 @@ def test_accelerate_sees_an_npu_job_of_two_processes():
     assert results == [("DistributedType.MULTI_NPU", 2, f"npu:{rank}", "hccl", f"npu:{rank}") for rank in range(2)]
 
 
-def _cuda_classes_and_capabilities_on_the_npu(rank, world_size):
+def _cuda_classes_and_capabilities_on_the_npu():
     import comm
 
     comm.patch()
-    stream, event = torch.cuda.Stream(), torch.cuda.Event(enable_timing=True)
-    properties = torch.cuda.get_device_properties(0)
-    seen = {
-        "stream": (type(stream) is torch.npu.Stream, isinstance(stream, torch.cuda.Stream),
-                   isinstance(torch.cuda.current_stream(), torch.cuda.Stream), str(stream.device)),
-        "event": (isinstance(event, torch.npu.Event), isinstance(event, torch.cuda.Event)),
-        # torchao's import-time check: torch_npu answers None, which CUDA code cannot index
-        "torchao": torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10,
-        "capability": torch.cuda.get_device_capability(),
-        "properties": (properties.name, properties.major, properties.total_memory > 0),
-        "rng": [state.numel() for state in torch.cuda.get_rng_state_all()],
-        "memory_stats": "allocated_bytes.all.current" in torch.cuda.memory_stats(),
-    }
-    comm.unpatch()
-    return seen
+    try:
+        stream, event = torch.cuda.Stream(), torch.cuda.Event(enable_timing=True)
+        properties = torch.cuda.get_device_properties(0)
+        return {
+            "stream": (type(stream) is torch.npu.Stream, isinstance(stream, torch.cuda.Stream),
+                       isinstance(torch.cuda.current_stream(), torch.cuda.Stream), str(stream.device)),
+            "event": (isinstance(event, torch.npu.Event), isinstance(event, torch.cuda.Event)),
+            # torchao's import-time check: torch_npu answers None, which CUDA code cannot index
+            "torchao": torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10,
+            "capability": torch.cuda.get_device_capability(),
+            "properties": (properties.name, properties.major, properties.total_memory > 0),
+            "rng": [state.numel() for state in torch.cuda.get_rng_state_all()],
+            "memory_stats": "allocated_bytes.all.current" in torch.cuda.memory_stats(),
+        }
+    finally:
+        comm.unpatch()  # the one-rank worker serves other tests next
 
 
 def test_cuda_classes_and_capability_queries_on_the_npu():
-    [seen] = run_ranks(_cuda_classes_and_capabilities_on_the_npu, 1, backend=None, simulate=NPU)
+    seen = in_one_rank(_cuda_classes_and_capabilities_on_the_npu)
     assert seen == {
         "stream": (True, True, True, "npu:0"),
         "event": (True, True),
