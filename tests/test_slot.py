@@ -22,7 +22,7 @@ from torch.distributed.distributed_c10d import _coalescing_manager
 import comm
 import comm.slot
 
-from multiproc import NPU, SEED_ERROR, error_of, file_store, init_group, run_ranks
+from multiproc import NPU, SEED_ERROR, error_of, file_store, in_one_rank, init_group, run_ranks
 
 pytestmark = pytest.mark.skipif(comm.unavailable_reason() is not None, reason=str(comm.unavailable_reason()))
 
@@ -390,3 +390,102 @@ def test_without_the_backend_comms_calls_stage_in_python():
         if rank == 1:
             assert torch.equal(seen["mixed"], _values(0, "cpu"))
         assert seen["stats"]["all_reduce"]["staged_calls"] == 1 and seen["stats"]["all_gather"]["staged_calls"] == 1
+
+
+# Staging semantics on one rank, in the one-rank worker (tests/multiproc.py's in_one_rank):
+# every collective's result is known there, so each is checked against a one-process
+# reference. The calls are torch's own, on CPU tensors over the world's hccl group, under
+# comm.patched() (which equips the group and undoes only what it patched).
+
+# Each collective as torch takes it, by name: (call(input, output, async_op) -> work, the one-rank result).
+_ONE_RANK_CALLS = {
+    "all_reduce SUM": (lambda t, out, a: dist.all_reduce(t, async_op=a), lambda t: t),
+    "all_reduce AVG": (lambda t, out, a: dist.all_reduce(t, dist.ReduceOp.AVG, async_op=a), lambda t: t),
+    "all_reduce PREMUL_SUM": (lambda t, out, a: dist.all_reduce(t, dist._make_nccl_premul_sum(0.5), async_op=a),
+                              lambda t: t * 0.5),
+    "broadcast": (lambda t, out, a: dist.broadcast(t, 0, async_op=a), lambda t: t),
+    "all_gather": (lambda t, out, a: dist.all_gather([out], t, async_op=a), lambda t: t),
+    "all_gather_into_tensor": (lambda t, out, a: dist.all_gather_into_tensor(out, t, async_op=a), lambda t: t),
+    "reduce_scatter_tensor": (lambda t, out, a: dist.reduce_scatter_tensor(out, t, async_op=a), lambda t: t),
+    "all_to_all_single": (lambda t, out, a: dist.all_to_all_single(out, t, async_op=a), lambda t: t),
+}
+# The caller's tensors: contiguous, and every other element of a wider tensor (not contiguous).
+_LAYOUTS = {"contiguous": lambda: torch.zeros(3, 4), "strided": lambda: torch.zeros(3, 8)[:, ::2]}
+
+
+def _one_rank_values():
+    return torch.arange(1, 13, dtype=torch.float32).reshape(3, 4)
+
+
+def _caller_tensors(layout):
+    """The input (holding the values) and output tensors a caller passes, in ``layout``."""
+    tensor, out = _LAYOUTS[layout](), _LAYOUTS[layout]()
+    tensor.copy_(_one_rank_values())
+    return tensor, out
+
+
+def _what_the_caller_sees(tensor):
+    """A tensor's memory, dtype, shape and strides: what a staged call must leave as they were."""
+    return (tensor.data_ptr(), tensor.device, tensor.dtype, tensor.shape, tensor.stride())
+
+
+def _staged_on_one_rank(name, layout, async_op):
+    """One collective on CPU tensors; the caller's tensors before and after, and its result once waited for."""
+    call, _ = _ONE_RANK_CALLS[name]
+    tensor, out = _caller_tensors(layout)
+    before = (_what_the_caller_sees(tensor), _what_the_caller_sees(out))
+    with comm.patched(clip_grad_norm=False, devices=False):
+        work = call(tensor, out, async_op)
+        if async_op:
+            work.wait()
+    after = (_what_the_caller_sees(tensor), _what_the_caller_sees(out))
+    result = tensor if name.startswith(("all_reduce", "broadcast")) else out
+    return {"unchanged": before == after, "result": result.clone(), "contiguous": result.is_contiguous()}
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+@pytest.mark.parametrize("name", sorted(_ONE_RANK_CALLS))
+def test_a_staged_collective_on_one_rank_writes_the_one_process_result_into_the_callers_tensor(name, layout, async_op):
+    """Written back in place (``wait()`` for an async call): the caller's memory, dtype, shape and strides kept."""
+    seen = in_one_rank(_staged_on_one_rank, name, layout, async_op)
+    assert seen["unchanged"]
+    assert seen["contiguous"] == (layout == "contiguous")
+    assert torch.equal(seen["result"], _ONE_RANK_CALLS[name][1](_one_rank_values()))
+
+
+def _future_of_a_staged_all_reduce():
+    """Whether an async staged all_reduce's future gives the caller's own tensor, with the result in it."""
+    tensor = _one_rank_values()
+    with comm.patched(clip_grad_norm=False, devices=False):
+        [value] = dist.all_reduce(tensor, async_op=True).get_future().wait()
+    return {"the caller's tensor": value is tensor, "values": value.clone()}
+
+
+def test_a_staged_calls_future_gives_the_callers_tensor():
+    seen = in_one_rank(_future_of_a_staged_all_reduce)
+    assert seen["the caller's tensor"]
+    assert torch.equal(seen["values"], _one_rank_values())
+
+
+def _cost_of_one_staged_all_reduce():
+    """comm.stats() and the device's counters for one staged all_reduce of a CPU tensor, counted from zero."""
+    from comm.testing import device_counters, reset_counters
+
+    with comm.patched(clip_grad_norm=False, devices=False):
+        dist.all_reduce(torch.zeros(1))  # the first call makes the communicator: not counted
+        comm.reset_stats()
+        reset_counters()
+        dist.all_reduce(_one_rank_values())
+    counted = device_counters(0)
+    return {"stats": comm.stats(), "device": {key: counted[key] for key in ("host_syncs", "drains")}}
+
+
+def test_one_staged_all_reduce_counts_one_call_two_transfers_and_one_host_sync():
+    """Staged once (a copy in, a copy back) and written back after one host wait, never draining the device."""
+    seen = in_one_rank(_cost_of_one_staged_all_reduce)
+    assert list(seen["stats"]) == ["all_reduce"]
+    stats = seen["stats"]["all_reduce"]
+    assert (stats["staged_calls"], stats["transfers"]) == (1, 2)
+    assert stats["bytes_staged"] == 2 * _one_rank_values().nbytes
+    assert seen["device"] == {"host_syncs": 1, "drains": 0}
