@@ -462,7 +462,7 @@ def _future_of_a_staged_all_reduce():
     return {"the caller's tensor": value is tensor, "values": value.clone()}
 
 
-def test_a_staged_calls_future_gives_the_callers_tensor():
+def test_a_staged_calls_future_on_one_rank_gives_the_callers_tensor():
     seen = in_one_rank(_future_of_a_staged_all_reduce)
     assert seen["the caller's tensor"]
     assert torch.equal(seen["values"], _one_rank_values())
@@ -481,7 +481,7 @@ def _cost_of_one_staged_all_reduce():
     return {"stats": comm.stats(), "device": {key: counted[key] for key in ("host_syncs", "drains")}}
 
 
-def test_one_staged_all_reduce_counts_one_call_two_transfers_and_one_host_sync():
+def test_one_staged_all_reduce_on_one_rank_counts_one_call_two_transfers_and_one_host_sync():
     """Staged once (a copy in, a copy back) and written back after one host wait, never draining the device."""
     seen = in_one_rank(_cost_of_one_staged_all_reduce)
     assert list(seen["stats"]) == ["all_reduce"]
