@@ -398,6 +398,8 @@ def test_without_the_backend_comms_calls_stage_in_python():
 # comm.patched() (which equips the group and undoes only what it patched).
 
 # Each collective as torch takes it, by name: (call(input, output, async_op) -> work, the one-rank result).
+# On one rank SUM, AVG and broadcast leave the values as they were; PREMUL_SUM (halving) and the
+# collectives with an output tensor (zeros before the call) are the ones that show the write-back.
 _ONE_RANK_CALLS = {
     "all_reduce SUM": (lambda t, out, a: dist.all_reduce(t, async_op=a), lambda t: t),
     "all_reduce AVG": (lambda t, out, a: dist.all_reduce(t, dist.ReduceOp.AVG, async_op=a), lambda t: t),
