@@ -102,12 +102,17 @@ def _by_hand(rank: int, numel: int) -> Dict[str, Call]:
 
 
 def staged_against_by_hand(rank: int, calls: int) -> List[Dict[str, Any]]:
+    """Each side timed from a settled device (an untimed synchronize first): a call that returns before its
+    collective ends (a broadcast's source, whose wait() only orders a stream) would otherwise hand its wait to
+    whichever call comes next."""
     comm.patch()
+    settle = [torch.accelerator.synchronize] * 3
     rows = []
     for numel in (1, 4096):
         sides = _by_hand(rank, numel)
         for name in ("all_reduce", "broadcast", "all_gather_into_tensor"):
-            rows.append(_row(f"{name} {numel}", rotate([sides[name], sides[f"staged {name}"], sides[name]], calls)))
+            timed = rotate([sides[name], sides[f"staged {name}"], sides[name]], calls, setups=settle)
+            rows.append(_row(f"{name} {numel}", timed))
     return rows
 
 

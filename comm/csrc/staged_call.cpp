@@ -61,7 +61,10 @@ at::Tensor copyOnto(const at::Tensor& tensor, at::Device target) {
   // memory it is queued on the stream, and the host goes on; torch's pinned allocator
   // keeps the buffer from reuse until the copy has run.
   auto host = tensor;
-  if (!tensor.is_contiguous() || !tensor.is_pinned()) {
+  // Whether a small tensor is pinned is not worth asking (a call into the device's
+  // allocator): its copy into pinned memory costs less.
+  constexpr size_t kAskPinnedFrom = 1 << 20;
+  if (tensor.nbytes() < kAskPinnedFrom || !tensor.is_contiguous() || !tensor.is_pinned()) {
     host = at::empty(tensor.sizes(), tensor.options().pinned_memory(true));
     host.copy_(tensor);
   }

@@ -569,6 +569,17 @@ void device_waits_for(c10::DeviceIndex index, CompletionPtr done) {
 
 void stream_waits_for(c10::DeviceIndex index, c10::StreamId stream, CompletionPtr done) {
   std::lock_guard<std::mutex> lock(pending_mutex);
+  // What this stream waited for and has finished since goes: the next operation on the
+  // stream waits for `done` (a drain, if it is a blocking copy) just the same, and a stream
+  // nothing drains (one only ever told to wait) keeps no growing list.
+  auto& now = pending[index];
+  auto& on = pending_stream[index];
+  for (size_t i = now.size(); i-- > 0;) {
+    if (on[i] == stream && now[i]->finished()) {
+      now.erase(now.begin() + static_cast<std::ptrdiff_t>(i));
+      on.erase(on.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
   pending[index].push_back(std::move(done));
   pending_stream[index].push_back(stream);
 }
