@@ -315,7 +315,8 @@ def test_events_and_synchronize_wait_for_what_the_device_waits_for(completion):
 def test_counters_count_host_synchronisations_and_drains(completion):
     """A blocking copy synchronises the current stream (CopyKernel.cpp:125-160): a host synchronisation, and a drain
     when the stream had a collective queued; synchronize() and item() wait on the device too. A non-blocking copy
-    blocks as well unless its host memory is pinned (CUDA's rule; see device.cpp's copy)."""
+    blocks as well unless its host memory is pinned (torch_npu's CachingHostAllocator.cpp, process_non_blocking_copy,
+    synchronises the stream for unregistered host memory)."""
     for seen in completion:
         sync = {key: value for key, value in seen["after copy in"].items() if key in ("host_syncs", "drains")}
         assert sync == {"host_syncs": 1, "drains": 0}

@@ -56,10 +56,12 @@ at::Tensor copyOnto(const at::Tensor& tensor, at::Device target) {
     return at::_to_copy(tensor, tensor.options().device(target), /*non_blocking=*/false, at::MemoryFormat::Contiguous);
   }
   // From pageable memory a copy to the device blocks the host until the current stream
-  // has run everything queued on it (torch_npu's copy_ synchronises that stream first,
-  // CopyKernel.cpp:125-160; CUDA stages pageable memory synchronously). From pinned
-  // memory it is queued on the stream, and the host goes on; torch's pinned allocator
-  // keeps the buffer from reuse until the copy has run.
+  // has run everything queued on it, non-blocking or not (torch_npu synchronises that
+  // stream: CopyKernel.cpp:125-160 for a blocking copy, CachingHostAllocator.cpp
+  // process_non_blocking_copy for a non-blocking one; CUDA stages pageable memory
+  // synchronously). From pinned memory it is queued on the stream and the host goes on;
+  // the device's caching pinned allocator (torch's for CUDA, torch_npu's) records the copy
+  // and keeps the buffer from reuse until it has run.
   auto host = tensor;
   // Whether a small tensor is pinned is not worth asking (a call into the device's
   // allocator): its copy into pinned memory costs less.

@@ -385,10 +385,12 @@ bool in_pinned(const at::Tensor& tensor) {
 // copy (AclrtSynchronizeStreamWithTimeout, src@master torch_npu/csrc/aten/common/
 // CopyKernel.cpp:125-160), then copies synchronously. A non-blocking copy is queued on the
 // stream only when its host side is pinned; from or to pageable memory it blocks as a
-// blocking copy does. That is CUDA's rule (a pageable cudaMemcpyAsync is staged through
-// the driver synchronously). For torch_npu it is not confirmed here: its non-blocking
-// branch (CopyKernelOpApi.cpp) records an event for the host buffer only where that is
-// pinned; what it does for pageable memory was not read. The simulation takes CUDA's rule.
+// blocking copy does: torch_npu's process_non_blocking_copy synchronises the stream
+// (AclrtSynchronizeStreamWithTimeout) unless the host memory is registered with the
+// runtime, and records an event on torch_npu's pinned blocks (Ascend/pytorch
+// torch_npu/csrc/core/npu/CachingHostAllocator.cpp, process_unregistered_mem_location_type
+// and process_non_blocking_copy, commit 189fb9bd); CUDA stages pageable memory
+// synchronously too.
 at::Tensor& copy(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
   bool crosses = self.device().type() != src.device().type();
   if (crosses) ++transfers;
