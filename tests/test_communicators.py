@@ -257,3 +257,30 @@ def test_comms_communicator_gets_a_copy_of_the_groups_options():
     assert own.hccl_config["group_name"] == "tp"  # the group's own options are untouched
     assert comm.slot._options_like(None, "x") is None
     assert comm.slot._options_like(None, "x", lambda: SimpleNamespace(made=True)).made is True
+
+
+def _destroyed_with_its_group(rank, world_size):
+    """comm's communicator for another thread, on a group then destroyed while Python still holds the group."""
+    comm.patch()
+    try:
+        group = dist.new_group([0, 1])
+        before = _device_communicators(rank)
+        tensor = _values(rank)
+        worker = threading.Thread(target=lambda: dist.all_reduce(tensor, group=group))
+        worker.start()
+        worker.join()
+        made = _device_communicators(rank)
+        dist.destroy_process_group(group)  # ProcessGroup::shutdown: each backend's, comm's forwards it
+        return {"made": (made[0] - before[0], made[1] - before[1]), "after destroy": _device_communicators(rank),
+                "before": before, "right": torch.equal(tensor, _summed()), "group alive": group is not None}
+    finally:
+        comm.unpatch()
+
+
+def test_destroying_a_group_shuts_comms_communicator_down():
+    """destroy_process_group(group) reaches comm's communicator: HCCL's memory comes back while the group object
+    lives on (without the forwarding it would wait for the group's destructor)."""
+    for seen in run_ranks(_destroyed_with_its_group, 2, backend="hccl", simulate=NPU):
+        assert seen["right"] and seen["group alive"]
+        assert seen["made"] == (1, 200 << 20)
+        assert seen["after destroy"] == seen["before"]
