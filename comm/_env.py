@@ -27,6 +27,6 @@ def env_bytes(name: str, default: int) -> int:
     value = os.environ.get(name, "").strip()
     if not value:
         return default
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise ValueError(f"{name}={value!r} is not understood; expected a whole number of bytes (0: never)")
     return int(value)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _coalescing_manager
 
 import comm
+import comm.testing
 
 from multiproc import NPU, error_of, run_ranks
 
@@ -239,9 +240,17 @@ def _pipelined(rank, world_size):
             dist.all_reduce(tensor, op=op)
             calls = comm.stats()["all_reduce"]["staged_calls"] - before
             seen[(numel, str(op))] = (calls, torch.allclose(tensor, expected))
+        comm.testing.reset_counters()
+        dist.all_reduce(_values(rank, 10_000))
+        seen["chunked counts"] = _sync_counts(rank)  # ten collectives, one wait for the last copies back
         tensor = _values(rank, 10_000)
         future = dist.all_reduce(tensor, async_op=True).get_future()
         seen["future"] = torch.equal(future.wait()[0], sum(_values(r, 10_000) for r in range(world_size)))
+        # The last chunk's collective fails on the device (reported by wait()): no chunk is written back.
+        tensor = _values(rank, 10_000)
+        comm.testing.fail_next("fail_wait", calls=1, after=9)
+        error = error_of(dist.all_reduce, tensor)
+        seen["a failed chunk"] = ("injected backend failure" in error, torch.equal(tensor, _values(rank, 10_000)))
         return seen
     finally:
         comm.unpatch()
@@ -249,10 +258,13 @@ def _pipelined(rank, world_size):
 
 def test_a_large_host_all_reduce_runs_in_pipelined_chunks():
     """At least twice the chunk size: one staged all-reduce per chunk (10,000 floats in 1,024s: 10), torch's values,
-    AVG too; below it, one call; the work's future holds the whole tensor."""
+    AVG too, one host synchronisation for all; below it, one call; the work's future holds the whole tensor; a
+    chunk that fails leaves the whole tensor as it was."""
     env = {"COMM_STAGING_CHUNK_BYTES": "4096"}
     for seen in run_ranks(_pipelined, 2, backend="hccl", simulate=NPU, env=env):
         assert seen[(10_000, str(dist.ReduceOp.SUM))] == (10, True)
         assert seen[(10_000, str(dist.ReduceOp.AVG))] == (10, True)
         assert seen[(2_000, str(dist.ReduceOp.SUM))] == (1, True)
         assert seen["future"]
+        assert seen["a failed chunk"] == (True, True)
+        assert seen["chunked counts"] == {"host_syncs": 1, "drains": 0}

@@ -287,7 +287,7 @@ def test_staged_calls_report_copies_consistent_with_stats():
         assert profiled["all_reduce"]["staged_calls"] == 4  # the served one is timed, not staged
         assert profiled["all_reduce"]["staged_bytes"] == 4 * 2 * 4 * FLOATS  # in and back
         assert re.search(r"^staging\s+staged calls\s+bytes copied", seen["summary"], re.MULTILINE)
-        assert seen["trace"] == ["comm.stage_in", "comm.write_back"]
+        assert seen["trace"] == ["comm.copy_back", "comm.stage_in", "comm.write_back"]
 
 
 SCRIPT = """

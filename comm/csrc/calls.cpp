@@ -46,7 +46,7 @@ Tensors StagingBackend::chunksOf(const Tensors& tensors) {
   communicator(); // fixes the target
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (target_.is_cpu() || coalescing_) return {};
+    if (target_.is_cpu() || (coalescing_ && coalescingThread_ == std::this_thread::get_id())) return {};
   }
   Tensors chunks;
   auto flat = tensor.view(-1);
@@ -58,23 +58,25 @@ Tensors StagingBackend::chunksOf(const Tensors& tensors) {
 
 WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
   auto chunks = chunksOf(tensors);
-  if (chunks.empty()) return allreduceWhole(tensors, opts);
-  std::vector<WorkPtr> works;
-  for (auto& chunk : chunks) {
-    Tensors one{chunk};
-    works.push_back(allreduceWhole(one, opts));
+  if (chunks.empty()) {
+    Reduction reduction{"allreduce", tensors};
+    return stage("all_reduce", c10d::OpType::ALLREDUCE,
+                 [&](StagedCall& call) { return allreduceCopies(call, call.inOut(tensors), opts); }, &reduction);
   }
-  // The work's result is the caller's tensor; each chunk's work writes its part back.
-  auto whole = std::make_shared<WriteBack>("all_reduce", c10::str("comm staged all_reduce in ", chunks.size(), " chunks"),
-                                           std::vector<Piece>{}, tensors, 1);
-  return c10::make_intrusive<StagedWork>(std::move(works), std::vector<std::shared_ptr<WriteBack>>{whole},
-                                         c10d::OpType::ALLREDUCE);
-}
-
-WorkPtr StagingBackend::allreduceWhole(Tensors& tensors, const c10d::AllreduceOptions& opts) {
-  Reduction reduction{"allreduce", tensors};
-  return stage("all_reduce", c10d::OpType::ALLREDUCE,
-               [&](StagedCall& call) { return allreduceCopies(call, call.inOut(tensors), opts); }, &reduction);
+  // One work for every chunk, so that nothing is written back unless every chunk succeeded.
+  std::vector<WorkPtr> works;
+  std::vector<std::shared_ptr<WriteBack>> backs;
+  std::optional<c10::Stream> waitOn;
+  for (auto& chunk : chunks) {
+    Tensors part{chunk};
+    Reduction reduction{"allreduce", part};
+    auto issued = issue("all_reduce", [&](StagedCall& call) { return allreduceCopies(call, call.inOut(part), opts); },
+                        &reduction);
+    works.push_back(issued.work);
+    backs.push_back(issued.back);
+    waitOn = issued.waitOn;
+  }
+  return c10::make_intrusive<StagedWork>(std::move(works), std::move(backs), c10d::OpType::ALLREDUCE, waitOn, tensors);
 }
 
 WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {

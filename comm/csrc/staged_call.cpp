@@ -59,17 +59,15 @@ at::Tensor copyOnto(const at::Tensor& tensor, at::Device target) {
   // has run everything queued on it, non-blocking or not (torch_npu synchronises that
   // stream: CopyKernel.cpp:125-160 for a blocking copy, CachingHostAllocator.cpp
   // process_non_blocking_copy for a non-blocking one; CUDA stages pageable memory
-  // synchronously). From pinned memory it is queued on the stream and the host goes on;
-  // the device's caching pinned allocator (torch's for CUDA, torch_npu's) records the copy
-  // and keeps the buffer from reuse until it has run.
-  auto host = tensor;
-  // Whether a small tensor is pinned is not worth asking (a call into the device's
-  // allocator): its copy into pinned memory costs less.
-  constexpr size_t kAskPinnedFrom = 1 << 20;
-  if (tensor.nbytes() < kAskPinnedFrom || !tensor.is_contiguous() || !tensor.is_pinned()) {
-    host = at::empty(tensor.sizes(), tensor.options().pinned_memory(true));
-    host.copy_(tensor);
-  }
+  // synchronously). So the tensor goes into a pinned buffer of comm's own, whose copy to
+  // the device is queued on the stream while the host goes on. comm's, even where the
+  // caller's tensor is pinned: a call that writes nothing back (a send, a broadcast's
+  // source) returns from wait() without waiting for that copy, and the caller may then
+  // refill its tensor. The buffer is freed at once: torch's caching pinned allocator
+  // (ATen/core/CachingHostAllocator.h, which torch_npu's uses) records an event on the
+  // stream the copy ran on when a block is freed, and reuses the block only once it has passed.
+  auto host = at::empty(tensor.sizes(), tensor.options().pinned_memory(true));
+  host.copy_(tensor);
   auto staged = at::empty(tensor.sizes(), tensor.options().device(target));
   staged.copy_(host, /*non_blocking=*/true);
   return staged;

@@ -1,8 +1,5 @@
 // The work of a staged call, and the write-back that completes it.
-#include <unistd.h>
-
-#include <condition_variable>
-#include <deque>
+#include <thread>
 
 #include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
@@ -27,54 +24,6 @@ class DoneWork final : public c10d::Work {
     future->markCompleted(c10::IValue(Tensors{}));
     return future;
   }
-};
-
-// The thread that completes staged works' futures, so that getFuture() returns at once: a
-// communicator's future may be complete as soon as the collective is queued (HCCL's is,
-// ProcessGroupHCCL.cpp:4208-4212), and results bound for the host are written back only
-// once the collective itself has run. Futures complete in the order they were asked for.
-class Completer {
- public:
-  // The process's completer; a forked child starts its own, since the parent's thread is not in it.
-  static Completer& get() {
-    static std::mutex mutex;
-    static Completer* current = nullptr;
-    std::lock_guard<std::mutex> lock(mutex);
-    // Never deleted: its thread may still run while the process's statics are destroyed.
-    if (current == nullptr || current->pid_ != getpid()) current = new Completer();
-    return *current;
-  }
-
-  void post(std::function<void()> task) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      tasks_.push_back(std::move(task));
-    }
-    ready_.notify_one();
-  }
-
- private:
-  Completer() : pid_(getpid()) {
-    std::thread([this] { run(); }).detach();
-  }
-
-  void run() {
-    for (;;) {
-      std::function<void()> task;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        ready_.wait(lock, [this] { return !tasks_.empty(); });
-        task = std::move(tasks_.front());
-        tasks_.pop_front();
-      }
-      task();
-    }
-  }
-
-  pid_t pid_;
-  std::mutex mutex_;
-  std::condition_variable ready_;
-  std::deque<std::function<void()>> tasks_;
 };
 
 } // namespace
@@ -113,41 +62,65 @@ void distribute(at::Tensor source, Tensors& callers) {
 
 } // namespace
 
-void WriteBack::write() {
-  std::call_once(once_, [this] {
-    at::AutoDispatchBelowADInplaceOrView belowAutograd; // as torch's backends write their outputs
+void WriteBack::copyBack() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (queued_) return;
+  at::AutoDispatchBelowADInplaceOrView belowAutograd; // as torch's backends write their outputs
+  RECORD_FUNCTION("comm.copy_back", std::vector<c10::IValue>());
+  if (!divided_ && divisor_ != 1) {
+    for (auto& piece : pieces_) piece.staged.div_(divisor_);
+  }
+  divided_ = true; // never twice, should a copy below fail and copyBack run again
+  // Non-blocking copies into pinned memory, on the current stream: the host waits for
+  // them alone (awaitCopies), never for the caller's compute stream, as a blocking copy would.
+  landed_.resize(pieces_.size());
+  std::optional<at::Device> device;
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const auto& piece = pieces_[i];
+    if (!toHost(piece) || landed_[i].defined()) continue;
+    auto buffer = at::empty(piece.staged.sizes(), piece.staged.options().device(at::kCPU).pinned_memory(true));
+    buffer.copy_(piece.staged, /*non_blocking=*/true);
+    landed_[i] = buffer;
+    device = piece.staged.device();
+  }
+  if (device) {
+    copied_.emplace(device->type());
+    copied_->record(c10::impl::getDeviceGuardImpl(device->type())->getStream(*device));
+  }
+  queued_ = true;
+}
+
+bool WriteBack::awaitCopies(bool covered) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!copied_) return covered;
+  if (!covered) copied_->synchronize();
+  return true;
+}
+
+void WriteBack::land() {
+  std::call_once(landOnce_, [this] {
+    at::AutoDispatchBelowADInplaceOrView belowAutograd;
     RECORD_FUNCTION("comm.write_back", std::vector<c10::IValue>());
     Tally copied;
     auto start = nowNs();
-    // Results bound for the host are copied into pinned memory without blocking, on the
-    // current stream (which wait() ordered after the collective, and nothing else of the
-    // caller's), and the host waits once, for those copies only: never for the caller's
-    // compute stream, as a blocking copy would.
-    std::vector<at::Tensor> landed(pieces_.size());
-    std::optional<at::Device> device;
     for (size_t i = 0; i < pieces_.size(); ++i) {
-      auto& piece = pieces_[i];
-      if (divisor_ != 1) piece.staged.div_(divisor_);
+      const auto& piece = pieces_[i];
       copied.transfers += 1;
       copied.bytes += static_cast<int64_t>(piece.staged.nbytes());
-      if (!toHost(piece)) continue;
-      landed[i] = at::empty(piece.staged.sizes(), piece.staged.options().device(at::kCPU).pinned_memory(true));
-      landed[i].copy_(piece.staged, /*non_blocking=*/true);
-      device = piece.staged.device();
-    }
-    if (device) {
-      c10::Event copiedBack(device->type());
-      copiedBack.record(c10::impl::getDeviceGuardImpl(device->type())->getStream(*device));
-      copiedBack.synchronize();
-    }
-    for (size_t i = 0; i < pieces_.size(); ++i) {
-      distribute(landed[i].defined() ? landed[i] : pieces_[i].staged, pieces_[i].callers);
+      distribute(i < landed_.size() && landed_[i].defined() ? landed_[i] : piece.staged, pieces_[i].callers);
     }
     copied.nanoseconds = nowNs() - start;
     if (copied.transfers > 0) tally(name_, copied);
     pieces_.clear(); // the copies are not needed once written
+    landed_.clear();
     written_ = true;
   });
+}
+
+void WriteBack::write() {
+  copyBack();
+  awaitCopies(/*covered=*/false);
+  land();
 }
 
 void rethrowStaged(const std::string& what) {
@@ -162,12 +135,17 @@ void rethrowStaged(const std::string& what) {
 }
 
 StagedWork::StagedWork(std::vector<WorkPtr> inner, std::vector<std::shared_ptr<WriteBack>> backs, c10d::OpType type,
-                       std::optional<c10::Stream> stream)
-    : Work(-1, type), inner_(std::move(inner)), backs_(std::move(backs)), stream_(stream) {}
+                       std::optional<c10::Stream> stream, Tensors results)
+    : Work(-1, type), inner_(std::move(inner)), backs_(std::move(backs)), stream_(stream),
+      results_(std::move(results)) {}
 
 void StagedWork::writeAll() {
   c10::OptionalStreamGuard guard(stream_);
-  for (auto& back : backs_) back->write();
+  for (auto& back : backs_) back->copyBack();
+  // One wait, for the last copies: they ran on one stream, after the earlier ones.
+  bool covered = false;
+  for (auto back = backs_.rbegin(); back != backs_.rend(); ++back) covered = (*back)->awaitCopies(covered);
+  for (auto& back : backs_) back->land();
 }
 
 bool StagedWork::isCompleted() {
@@ -198,6 +176,7 @@ int StagedWork::sourceRank() const {
 }
 
 Tensors StagedWork::result() {
+  if (!results_.empty()) return results_;
   Tensors all;
   for (const auto& back : backs_) all.insert(all.end(), back->results().begin(), back->results().end());
   return all;
@@ -210,12 +189,16 @@ void StagedWork::synchronize() {
 
 bool StagedWork::wait(std::chrono::milliseconds timeout) {
   c10::OptionalStreamGuard guard(stream_); // the collective's wait() orders the stream the call was staged on
+  bool paired = inner_.size() == backs_.size();
   for (size_t i = 0; i < inner_.size(); ++i) {
     try {
       inner_[i]->wait(timeout);
     } catch (...) {
       rethrowStaged(backs_.at(std::min(i, backs_.size() - 1))->what());
     }
+    // A chunk's copies back go as soon as its collective is waited for, beside the next
+    // collective; nothing reaches the caller's tensors until every work has succeeded.
+    if (paired) backs_[i]->copyBack();
   }
   writeAll();
   return true;
@@ -226,16 +209,21 @@ void StagedWork::abort() {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> StagedWork::getFuture() {
+  // Completed by a thread of its own, so that getFuture() returns at once: a communicator's
+  // future may be complete as soon as the collective is queued (HCCL's is,
+  // ProcessGroupHCCL.cpp:4208-4212), and results bound for the host are written back only
+  // once the collective itself has run. A thread per future, not one shared queue: a
+  // callback that waits for another staged future must not wait behind itself.
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
   auto self = c10::intrusive_ptr<StagedWork>::reclaim_copy(this);
-  Completer::get().post([self, future] {
+  std::thread([self, future] {
     try {
       self->wait(kNoTimeout); // rethrows the collective's error, with what was staged
       future->markCompleted(c10::IValue(self->result()));
     } catch (...) {
       future->setError(std::current_exception());
     }
-  });
+  }).detach();
   return future;
 }
 

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -66,13 +67,24 @@ struct Piece {
 
 // What one staged call writes back once its collective has completed: each piece
 // into the caller's tensors it stands for, after dividing by `divisor` (a
-// ReduceOp.AVG run as SUM). Written at most once, whoever asks first (wait(), the
-// work's future, is_completed()); never written when the collective failed.
+// ReduceOp.AVG run as SUM). Two steps, so that a work of several collectives (a
+// chunked all-reduce) can queue each one's copies back as soon as it is waited for and
+// write nothing into the caller's tensors until every one has succeeded: copyBack()
+// queues the copies of results bound for the host into pinned memory on the current
+// stream (which wait() ordered after the collective), land() writes the caller's tensors
+// once the host has waited for those copies (awaitCopies). Landed at most once, whoever
+// asks first (wait(), the work's future, is_completed()); never when the collective failed.
 class WriteBack {
  public:
   // `results`: the caller's tensors the work reports as its result (torch's: the outputs).
   WriteBack(std::string name, std::string what, std::vector<Piece> pieces, Tensors results, int64_t divisor);
 
+  void copyBack();
+  // The host waits for copyBack's copies, unless `covered` (copies queued later on the same
+  // stream were waited for); whether they are done now.
+  bool awaitCopies(bool covered);
+  void land();
+  // All three: a staged call's whole write-back.
   void write();
   bool written() const { return written_.load(); }
   const Tensors& results() const { return results_; }
@@ -85,18 +97,25 @@ class WriteBack {
   std::vector<Piece> pieces_;
   Tensors results_;
   int64_t divisor_;
-  std::once_flag once_;
+  std::mutex mutex_; // copyBack and awaitCopies may come from two threads (wait() and the future's)
+  bool divided_ = false;
+  bool queued_ = false;
+  std::vector<at::Tensor> landed_; // pinned host buffers the results come back into
+  std::optional<c10::Event> copied_; // recorded after the copies back, where there are any
+  std::once_flag landOnce_;
   std::atomic<bool> written_{false};
 };
 
-// The work of a staged call: the group backend's work on the copies, completed by
-// the write-back. Its future completes after the write-back, with the caller's tensors.
+// The work of a staged call: the group backend's works on the copies, completed by
+// the write-backs. Its future completes after the write-back, with the caller's tensors.
 class StagedWork final : public c10d::Work {
  public:
-  // `stream`: the stream its wait() orders after the collective and its write-back copies
-  // on (StagingBackend::waitStream); none: the caller's current stream.
+  // `stream`: the stream its wait() orders after the collectives and the copies back run
+  // on (StagingBackend::waitStream); none: the caller's current stream. Where there are
+  // as many works as write-backs, each write-back belongs to its work. `results`: the
+  // work's result, where it is not the write-backs' (a chunked call's whole tensor).
   StagedWork(std::vector<WorkPtr> inner, std::vector<std::shared_ptr<WriteBack>> backs, c10d::OpType type,
-             std::optional<c10::Stream> stream = std::nullopt);
+             std::optional<c10::Stream> stream = std::nullopt, Tensors results = {});
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -109,11 +128,13 @@ class StagedWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
+  // The write-backs' three steps, each for every write-back before the next step.
   void writeAll();
 
   std::vector<WorkPtr> inner_;
   std::vector<std::shared_ptr<WriteBack>> backs_;
   std::optional<c10::Stream> stream_;
+  Tensors results_;
 };
 
 // A finished work, for calls that return before the communicator runs them (inside
@@ -126,8 +147,8 @@ WorkPtr doneWork();
 // ---- staged_call.cpp: one staged call's copies onto the target device, and which of
 // them are written back where.
 // A contiguous copy of `tensor` on `target`. A host tensor's copy does not block the host:
-// it goes through pinned memory (the tensor's own where it is pinned and contiguous) and
-// is queued on `target`'s current stream, after whatever that stream holds.
+// it goes through a pinned buffer of comm's and is queued on `target`'s current stream,
+// after whatever that stream holds.
 at::Tensor copyOnto(const at::Tensor& tensor, at::Device target);
 
 class StagedCall {
@@ -273,13 +294,23 @@ class StagingBackend final : public c10d::Backend {
   // communicator, or is refused before anything is copied.
   WorkPtr stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run,
                 const Reduction* reduction = nullptr);
-  // An all-reduce of one tensor, staged whole.
-  WorkPtr allreduceWhole(Tensors& tensors, const c10d::AllreduceOptions& opts);
-  // The chunks a host tensor's all-reduce runs in, pipelined: each chunk is copied in,
-  // reduced and copied back as a staged call of its own, so that on the device one
-  // chunk's copy overlaps another's collective (the copies in and the collectives are
-  // queued at the call, the copies back at the wait). None where the call runs whole:
-  // several tensors, a device tensor, a CPU target, a coalescing block, a small tensor.
+  // One staged call issued: the communicator's work (may be none), its write-back, and
+  // the stream its wait belongs on; whether it ran on the communicator of the group's kind.
+  struct Issued {
+    WorkPtr work;
+    std::shared_ptr<WriteBack> back;
+    std::optional<c10::Stream> waitOn;
+    bool own;
+  };
+  // stage's first steps: copy in and call the communicator.
+  Issued issue(const char* name, const std::function<WorkPtr(StagedCall&)>& run, const Reduction* reduction);
+  // The chunks a host tensor's all-reduce runs in, pipelined: each chunk is copied in
+  // and reduced as a collective of its own, so that on the device one chunk's copy
+  // overlaps another's collective (the copies in and the collectives are queued at the
+  // call; at the wait, each chunk's copy back is queued once its collective is waited
+  // for). None where the call runs whole: several tensors, a device tensor, a CPU
+  // target, the calling thread's coalescing block, a small tensor. Every rank must chunk
+  // alike: the same COMM_STAGING_CHUNK_BYTES everywhere.
   Tensors chunksOf(const Tensors& tensors);
   // The communicator the calling thread's staged calls run on: the group's own backend on
   // the group's thread, else comm's, made at the first such call. Fixes the target at

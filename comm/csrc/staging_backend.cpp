@@ -147,8 +147,8 @@ void StagingBackend::setTimeout(std::chrono::milliseconds timeout) {
   if (cpuCommunicator_) cpuCommunicator_->setTimeout(timeout);
 }
 
-WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run,
-                              const Reduction* reduction) {
+StagingBackend::Issued StagingBackend::issue(const char* name, const std::function<WorkPtr(StagedCall&)>& run,
+                                              const Reduction* reduction) {
   c10d::Backend* comm = &communicator();
   auto target = this->target();
   bool own = true; // on the communicator of the group's kind
@@ -181,18 +181,22 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
     rethrowStaged(call.what());
   }
   call.issued();
-  auto back = call.writeBack();
-  auto waitOn = waitStream(own, target);
+  return Issued{work, call.writeBack(), waitStream(own, target), own};
+}
+
+WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run,
+                              const Reduction* reduction) {
+  auto issued = issue(name, run, reduction);
   std::lock_guard<std::mutex> lock(mutex_);
   if (coalescing_ && coalescingThread_ == std::this_thread::get_id()) {
-    coalescedBacks_.push_back(back);
-    if (work) (own ? coalescedWorks_ : coalescedCpuWorks_).push_back(work);
-    if (communicatorCoalesces_ && own) return doneWork();
+    coalescedBacks_.push_back(issued.back);
+    if (issued.work) (issued.own ? coalescedWorks_ : coalescedCpuWorks_).push_back(issued.work);
+    if (communicatorCoalesces_ && issued.own) return doneWork();
   }
   std::vector<WorkPtr> works;
-  if (work) works.push_back(work);
-  return c10::make_intrusive<StagedWork>(std::move(works), std::vector<std::shared_ptr<WriteBack>>{back}, type,
-                                         waitOn);
+  if (issued.work) works.push_back(issued.work);
+  return c10::make_intrusive<StagedWork>(std::move(works), std::vector<std::shared_ptr<WriteBack>>{issued.back},
+                                         type, issued.waitOn);
 }
 
 void StagingBackend::startCoalescing() {

@@ -64,8 +64,11 @@ FAILURE_MODES = ("raise", "fail_wait")
 ALL_FAILURE_MODES = FAILURE_MODES + ("fail_async",)
 
 
-def fail_next(mode: str, calls: int = 1) -> None:
+def fail_next(mode: str, calls: int = 1, after: int = 0) -> None:
     """Make the next ``calls`` collectives of the simulated backend fail, as a broken link does.
+
+    ``after``: how many collectives succeed first (a failure in the middle of a call that
+    runs several, such as a chunked all-reduce).
 
     ``mode``:
 
@@ -86,9 +89,10 @@ def fail_next(mode: str, calls: int = 1) -> None:
     """
     if mode not in ALL_FAILURE_MODES:
         raise ValueError(f"mode must be one of {ALL_FAILURE_MODES}, got {mode!r}")
-    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
-        raise ValueError(f"calls must be a non-negative int, got {calls!r}")
-    _core().fail_next({"raise": 0, "fail_wait": 1, "fail_async": 2}[mode], calls)
+    for name, value in (("calls", calls), ("after", after)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    _core().fail_next({"raise": 0, "fail_wait": 1, "fail_async": 2}[mode], calls, after)
 
 
 def install_device(name: str, device_count: int) -> None:

@@ -691,10 +691,10 @@ class SimulatedBackend final : public c10d::Backend {
 
 } // namespace
 
-void fail_next(int mode, int64_t calls) {
+void fail_next(int mode, int64_t calls, int64_t after) {
   TORCH_CHECK(mode >= kOnIssue && mode <= kOnDevice, "fail_next: unknown mode ", mode);
   std::lock_guard<std::mutex> lock(faults.mutex);
-  faults.from = faults.calls + 1;
+  faults.from = faults.calls + 1 + after;
   faults.to = faults.from + calls;
   faults.mode = mode;
 }

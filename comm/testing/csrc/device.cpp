@@ -652,7 +652,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       counted.drains = 0;
     }
   });
-  m.def("fail_next", &fail_next, pybind11::arg("mode"), pybind11::arg("calls"));
+  m.def("fail_next", &fail_next, pybind11::arg("mode"), pybind11::arg("calls"), pybind11::arg("after") = 0);
   m.def("make_backend", &make_backend, pybind11::arg("host"), pybind11::arg("name"),
         pybind11::arg("unsupported_ops"), pybind11::arg("lenient"), pybind11::arg("blocking_wait"));
 }

@@ -113,9 +113,9 @@ c10::intrusive_ptr<c10d::Backend> make_backend(
     bool lenient,
     int blocking_wait);
 
-// The next `calls` collectives of any simulated backend fail: 0 when issued, 1 on the
-// device and reported by wait() (as under blocking wait), 2 on the device and reported
-// as HCCL reports it (the backend's error model).
-void fail_next(int mode, int64_t calls);
+// The next `calls` collectives of any simulated backend, after `after` more that succeed,
+// fail: 0 when issued, 1 on the device and reported by wait() (as under blocking wait), 2
+// on the device and reported as HCCL reports it (the backend's error model).
+void fail_next(int mode, int64_t calls, int64_t after);
 
 } // namespace comm_sim
