@@ -68,7 +68,8 @@ class Copies {
   std::shared_ptr<WriteBack> writeBack(const std::string& name) {
     std::string what = c10::str("comm staged ", name, ": the tensors not on ", target_->str(),
                                 "; the caller's tensors were not written");
-    return std::make_shared<WriteBack>(name, std::move(what), std::move(pieces_), std::move(written_), 1);
+    return std::make_shared<WriteBack>(name, [what = std::move(what)] { return what; }, std::move(pieces_),
+                                       std::move(written_), 1);
   }
 
  private:

@@ -48,7 +48,7 @@ StagedCall::StagedCall(const char* name, at::Device target, int groupSize, c10d:
     : name_(name), target_(target), groupSize_(groupSize), communicator_(communicator) {}
 
 void StagedCall::noteSource(const at::Tensor& tensor) {
-  if (source_.empty()) source_ = tensor.device().str();
+  if (!source_) source_ = tensor.device();
 }
 
 at::Tensor copyOnto(const at::Tensor& tensor, at::Device target) {
@@ -182,13 +182,24 @@ c10d::ReduceOp StagedCall::reduceOp(const c10d::ReduceOp& op, const Tensors& inp
   return op;
 }
 
+namespace {
+
+std::string describe(const char* name, const Tally& copied, std::optional<at::Device> source, at::Device target) {
+  return c10::str("comm staged ", name, ": ", copied.transfers, " tensor(s), ", copied.bytes, " bytes, ",
+                  source ? source->str() : "-", " -> ", target.str(), "; the caller's tensors were not written");
+}
+
+} // namespace
+
 std::string StagedCall::what() const {
-  return c10::str("comm staged ", name_, ": ", copied_.transfers, " tensor(s), ", copied_.bytes, " bytes, ",
-                  source_.empty() ? "-" : source_, " -> ", target_.str(), "; the caller's tensors were not written");
+  return describe(name_, copied_, source_, target_);
 }
 
 std::shared_ptr<WriteBack> StagedCall::writeBack() {
-  return std::make_shared<WriteBack>(name_, what(), std::move(pieces_), std::move(results_), divisor_);
+  auto what = [name = name_, copied = copied_, source = source_, target = target_] {
+    return describe(name, copied, source, target);
+  };
+  return std::make_shared<WriteBack>(name_, what, std::move(pieces_), std::move(results_), divisor_);
 }
 
 void StagedCall::issued() {

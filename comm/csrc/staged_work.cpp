@@ -32,10 +32,10 @@ WorkPtr doneWork() {
   return c10::make_intrusive<DoneWork>();
 }
 
-WriteBack::WriteBack(std::string name, std::string what, std::vector<Piece> pieces, Tensors results,
+WriteBack::WriteBack(std::string name, std::function<std::string()> what, std::vector<Piece> pieces, Tensors results,
                      int64_t divisor)
-    : name_(std::move(name)), what_(std::move(what)), pieces_(std::move(pieces)), results_(std::move(results)),
-      divisor_(divisor) {}
+    : name_(std::move(name)), what_(std::move(what)), pieces_(std::move(pieces)), writes_(!pieces_.empty()),
+      results_(std::move(results)), divisor_(divisor) {}
 
 namespace {
 
@@ -63,6 +63,7 @@ void distribute(at::Tensor source, Tensors& callers) {
 } // namespace
 
 void WriteBack::copyBack() {
+  if (!writes_) return; // nothing comes back (a send, a broadcast's source)
   std::lock_guard<std::mutex> lock(mutex_);
   if (queued_) return;
   at::AutoDispatchBelowADInplaceOrView belowAutograd; // as torch's backends write their outputs

@@ -77,7 +77,9 @@ struct Piece {
 class WriteBack {
  public:
   // `results`: the caller's tensors the work reports as its result (torch's: the outputs).
-  WriteBack(std::string name, std::string what, std::vector<Piece> pieces, Tensors results, int64_t divisor);
+  // `what`: says what was staged, for an error raised by the collective (made only then).
+  WriteBack(std::string name, std::function<std::string()> what, std::vector<Piece> pieces, Tensors results,
+            int64_t divisor);
 
   void copyBack();
   // The host waits for copyBack's copies, unless `covered` (copies queued later on the same
@@ -89,12 +91,13 @@ class WriteBack {
   bool written() const { return written_.load(); }
   const Tensors& results() const { return results_; }
   // Says what was staged, for an error raised by the collective.
-  const std::string& what() const { return what_; }
+  std::string what() const { return what_(); }
 
  private:
   std::string name_;
-  std::string what_;
+  std::function<std::string()> what_;
   std::vector<Piece> pieces_;
+  const bool writes_; // whether anything comes back (pieces_ empties once landed)
   Tensors results_;
   int64_t divisor_;
   std::mutex mutex_; // copyBack and awaitCopies may come from two threads (wait() and the future's)
@@ -209,7 +212,7 @@ class StagedCall {
   Tensors results_;
   int64_t divisor_ = 1;
   Tally copied_;
-  std::string source_;
+  std::optional<at::Device> source_;
 };
 
 // ---- staging_backend.cpp and calls.cpp: the backend.

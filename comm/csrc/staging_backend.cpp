@@ -244,8 +244,10 @@ WorkPtr StagingBackend::endCoalescing() {
     if (work) works = {work};
   }
   works.insert(works.end(), cpuWorks.begin(), cpuWorks.end()); // run outside the communicator's block
-  if (backs.empty()) backs.push_back(std::make_shared<WriteBack>("coalesced", "comm staged nothing",
-                                                                 std::vector<Piece>{}, Tensors{}, 1));
+  if (backs.empty()) {
+    backs.push_back(std::make_shared<WriteBack>("coalesced", [] { return std::string("comm staged nothing"); },
+                                                std::vector<Piece>{}, Tensors{}, 1));
+  }
   return c10::make_intrusive<StagedWork>(std::move(works), std::move(backs), c10d::OpType::COALESCED,
                                          waitStream(true, target()));
 }
