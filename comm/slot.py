@@ -16,8 +16,9 @@ calls from any other thread (``dcp.async_save`` saves from one) run on a communi
 comm makes at that thread's first staged call, by the same backend as the group's
 (gloo, nccl, or the plugin's creator) with the group's options, over the group's store
 under a prefix of its own: they never interleave with the group's thread's calls on
-the group's own communicator. :func:`communicators` counts what comm made;
-:func:`adopt_thread` makes another thread the group's.
+the group's own communicator (:mod:`comm._communicators` makes them).
+:func:`communicators` counts what comm made; :func:`adopt_thread` makes another thread
+the group's.
 
 Each slot is keyed by a ``BackendType`` label: ``CUSTOM`` on groups of torch's own
 backends, and, on groups whose backend is itself ``CUSTOM`` (a plugin such as hccl),
@@ -29,19 +30,17 @@ group was created with; ``group._device_types`` lists the staged types too.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
-import weakref
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from comm._communicators import communicator_factory, cpu_communicator_factory
 from comm._env import env_bytes
 from comm._native import STAGING
-from comm._releases import backend_options
 from comm.device import accelerator_type, bound_device, current_device
 from comm.groups import GroupCache, backend_config, backends_by_device, resolve_group
 
@@ -59,13 +58,10 @@ CHUNK_BYTES = 16 << 20
 #   ProcessGroup._register_backend, _set_group_name, _device_types, _get_backend: the
 #     per-device slot itself, the name c10d reads from a group's first backend, the
 #     slots filled, and the backend in one;
-#   distributed_c10d._world.pg_map: each group's store, which the communicator shares;
 #   distributed_c10d._new_process_group_helper: where c10d creates every group
 #     (GROUP_CREATION). comm.patch() wraps whatever function that attribute holds,
 #     also one a plugin assigns later (torch_npu assigns a full copy of its own), as
-#     c10d's callers look it up in the module at each call (tests/test_patch.py);
-#   Backend._plugins and _DistributedBackendOptions: a plugin's creator, to make its
-#     communicator as c10d makes the group's.
+#     c10d's callers look it up in the module at each call (tests/test_patch.py).
 GROUP_CREATION = ("torch.distributed.distributed_c10d", "_new_process_group_helper")
 
 _LOG = logging.getLogger("comm")
@@ -74,9 +70,6 @@ _TYPE = dist.ProcessGroup.BackendType
 # The slot labels comm can take, in order of preference (see the module docstring).
 _LABELS = (_TYPE.CUSTOM, _TYPE.MPI, _TYPE.UCC)
 _BUILTIN_TYPES = {"gloo": _TYPE.GLOO, "nccl": _TYPE.NCCL, "xccl": _TYPE.XCCL, "ucc": _TYPE.UCC, "mpi": _TYPE.MPI}
-_STORE_PREFIX = "comm-staging"
-# Where the gloo communicator for CPU reductions the group's backend cannot run meets.
-_CPU_STORE_PREFIX = "comm-staging-cpu"
 # Per group: whether ready() has equipped it (False: comm's backend cannot be built here).
 _READY = GroupCache()
 
@@ -108,7 +101,7 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
         native = STAGING.load()
         label = _free_label(pg)
         name = pg.group_name  # c10d reads the name from the first backend by device type: put it back after
-        factories = (_communicator_factory(pg, target), _cpu_communicator_factory(pg, target))
+        factories = (communicator_factory(pg, target), cpu_communicator_factory(pg, target))
         chunk_bytes = env_bytes("COMM_STAGING_CHUNK_BYTES", CHUNK_BYTES)
         try:
             backend = native.staging_backend(pg.rank(), pg.size(), target, pg._get_backend(target), *factories,
@@ -285,117 +278,3 @@ def _free_label(pg: dist.ProcessGroup) -> Any:
 def _backend_names(pg: dist.ProcessGroup) -> Dict[str, str]:
     """Device type -> the name of the backend the group was created with for it."""
     return backends_by_device(backend_config(pg))
-
-
-def _communicator_factory(pg: dist.ProcessGroup, target: torch.device) -> Callable[[], Any]:
-    """A function that makes comm's communicator: a new backend like the group's for ``target``, with its options.
-
-    It holds the group by weak reference (the group holds the staging backend, which
-    holds this function), and reads the group's store, ranks and options when it runs:
-    at the first staged call from a thread other than the group's, after c10d has
-    finished registering the group.
-    """
-    name = _backend_names(pg).get(target.type) or c10d.get_backend(pg)
-    group = weakref.ref(pg)
-
-    def make() -> Any:
-        made, store = _group_and_store(group, _STORE_PREFIX)
-        ranks = dist.get_process_group_ranks(made)
-        options = backend_options(made._get_backend(target))
-        _LOG.info("comm makes a %s communicator for staged calls from another thread on group %r", name,
-                  made.group_name)
-        return _new_backend(name, store, made.rank(), made.size(), _timeout(made, target), ranks,
-                            f"{made.group_name}:{_STORE_PREFIX}", options)
-
-    return make
-
-
-def _cpu_communicator_factory(pg: dist.ProcessGroup, target: torch.device) -> Optional[Callable[[], Any]]:
-    """A function that makes a gloo communicator over the group's store, or None where staging targets the CPU.
-
-    comm's backend uses it for CPU reductions of dtypes the group's backend cannot
-    reduce (float64 on hccl, a bool reduce-scatter): gloo reduces a CPU tensor where it
-    is, in its own dtype. It is made at the first such call, on every rank alike, as
-    every rank makes the same calls.
-    """
-    if target.type == "cpu":
-        return None
-    timeout = _timeout(pg, target)
-    group = weakref.ref(pg)
-
-    def make() -> Any:
-        made, store = _group_and_store(group, _CPU_STORE_PREFIX)
-        return dist.ProcessGroupGloo(store, made.rank(), made.size(), timeout)
-
-    return make
-
-
-def _group_and_store(group: "weakref.ref[dist.ProcessGroup]", prefix: str) -> Tuple[dist.ProcessGroup, Any]:
-    """The group a communicator factory holds by weak reference, and its store under ``prefix``."""
-    made = group()
-    if made is None:
-        raise RuntimeError("comm's staging backend outlived its process group")
-    return made, c10d.PrefixStore(prefix, c10d._world.pg_map[made][1])
-
-
-def _timeout(pg: dist.ProcessGroup, target: torch.device) -> datetime.timedelta:
-    timeout = getattr(backend_options(pg._get_backend(target)), "_timeout", None)
-    return timeout if isinstance(timeout, datetime.timedelta) else c10d.default_pg_timeout
-
-
-def _new_backend(name: str, store: Any, rank: int, size: int, timeout: datetime.timedelta, ranks: List[int],
-                 group_name: str, like: Any = None) -> Any:
-    """A backend of kind ``name`` for these ranks, made as c10d's ``_new_process_group_helper`` makes a group's.
-
-    ``like``: the group's own backend's options, copied (never shared: the creators
-    write the new group's name and ranks into the options they are given).
-    """
-    if name == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    if name in ("nccl", "xccl"):  # torch's accelerator backends take the same options
-        kind = getattr(dist, f"ProcessGroup{name.upper()}")
-        options: Any = _options_like(like, group_name, kind.Options)
-        options._timeout, options.global_ranks_in_group, options.group_name = timeout, ranks, group_name
-        return kind(store, rank, size, options)
-    plugin = dist.Backend._plugins.get(name.upper())
-    if plugin is None:
-        raise RuntimeError(f"comm cannot make a staging communicator for backend {name!r}")
-    if not plugin.extended_api:
-        return plugin.creator_fn(store, rank, size, timeout)
-    extended: Any = c10d._DistributedBackendOptions()  # type: ignore[attr-defined]
-    extended.store, extended.group_rank, extended.group_size = store, rank, size
-    extended.timeout, extended.group_id, extended.global_ranks_in_group = timeout, group_name, ranks
-    return plugin.creator_fn(extended, _options_like(like, group_name))
-
-
-# What a copy of a backend's options keeps: HCCL's hccl_config (buffer size, QoS, expansion
-# mode), NCCL's config (its NCCLConfig: CTAs, cga cluster size, net name) and stream priority.
-_OPTION_FIELDS = ("hccl_config", "config", "is_high_priority_stream")
-
-
-def _options_like(options: Any, group_name: str, default: Optional[Callable[[], Any]] = None) -> Any:
-    """A new options object of ``options``' type with its settings, for a communicator named ``group_name``.
-
-    ``default()`` (or None) where ``options`` is None or its type cannot be made empty.
-    An ``hccl_config`` that names the group gets ``group_name`` instead: HCCL names the
-    communicator after it.
-    """
-    if options is None:
-        return default() if default is not None else None
-    try:
-        made = type(options)()
-    except (TypeError, RuntimeError):
-        _LOG.warning("comm cannot copy options of type %s; its communicator gets default options",
-                     type(options).__name__)
-        return default() if default is not None else None
-    for field in _OPTION_FIELDS:
-        if not hasattr(options, field):
-            continue
-        value = getattr(options, field)
-        if field == "hccl_config" and isinstance(value, dict):
-            value = {key: (group_name if key == "group_name" else item) for key, item in value.items()}
-        try:
-            setattr(made, field, value)
-        except (AttributeError, TypeError) as error:
-            _LOG.warning("comm cannot copy option %s to its communicator: %s", field, error)
-    return made

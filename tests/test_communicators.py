@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.distributed_c10d import _coalescing_manager
 
 import comm
+import comm._communicators
 import comm.slot
 from comm._releases import flat_gather
 
@@ -249,14 +250,14 @@ def test_comms_communicator_gets_a_copy_of_the_groups_options():
     own.hccl_config = {"hccl_buffer_size": 50, "group_name": "tp", "qos_traffic_class": 3}
     own.is_high_priority_stream = True
     own.group_id = "1"
-    made = comm.slot._options_like(own, "1:comm-staging")
+    made = comm._communicators.options_like(own, "1:comm-staging")
     assert made is not own and isinstance(made, _Options)
     assert made.hccl_config == {"hccl_buffer_size": 50, "group_name": "1:comm-staging", "qos_traffic_class": 3}
     assert made.is_high_priority_stream is True
     assert made.group_id == ""  # the creator writes the communicator's own name
     assert own.hccl_config["group_name"] == "tp"  # the group's own options are untouched
-    assert comm.slot._options_like(None, "x") is None
-    assert comm.slot._options_like(None, "x", lambda: SimpleNamespace(made=True)).made is True
+    assert comm._communicators.options_like(None, "x") is None
+    assert comm._communicators.options_like(None, "x", lambda: SimpleNamespace(made=True)).made is True
 
 
 def _destroyed_with_its_group(rank, world_size):
