@@ -162,8 +162,7 @@ def _staged_cost(rank, world_size):
 
     from comm.testing import reset_counters
 
-    comm.patch(clip_grad_norm=False)
-    try:
+    with comm.patched(clip_grad_norm=False):
         seen = {}
         total = sum(_values(r, 4096) for r in range(world_size))
         dist.all_reduce(torch.zeros(1))  # the first call makes the communicator
@@ -200,8 +199,6 @@ def _staged_cost(rank, world_size):
         seen["get_future seconds"] = time.monotonic() - start
         seen["future's value"] = torch.equal(future.wait()[0], sum(_values(r, 8) for r in range(world_size)))
         return seen
-    finally:
-        comm.unpatch()
 
 
 @pytest.fixture(scope="module")
@@ -228,8 +225,7 @@ def test_get_future_returns_before_the_collective_ends(staged_cost):
 
 def _pipelined(rank, world_size):
     """All-reduces of host tensors above and below the chunk size (COMM_STAGING_CHUNK_BYTES=4096: 1,024 floats)."""
-    comm.patch(clip_grad_norm=False)
-    try:
+    with comm.patched(clip_grad_norm=False):
         seen = {}
         for numel, op in ((10_000, dist.ReduceOp.SUM), (10_000, dist.ReduceOp.AVG), (2_000, dist.ReduceOp.SUM)):
             tensor = _values(rank, numel)
@@ -252,8 +248,6 @@ def _pipelined(rank, world_size):
         error = error_of(dist.all_reduce, tensor)
         seen["a failed chunk"] = ("injected backend failure" in error, torch.equal(tensor, _values(rank, 10_000)))
         return seen
-    finally:
-        comm.unpatch()
 
 
 def test_a_large_host_all_reduce_runs_in_pipelined_chunks():

@@ -52,7 +52,9 @@ void distribute(at::Tensor source, Tensors& callers) {
     caller.copy_(source.sizes() == caller.sizes() ? source : source.reshape(caller.sizes()));
     return;
   }
-  if (source.device() != callers.front().device()) source = at::_to_copy(source, source.options().device(callers.front().device()));
+  if (source.device() != callers.front().device()) {
+    source = at::_to_copy(source, source.options().device(callers.front().device()));
+  }
   int64_t offset = 0;
   for (auto& caller : callers) {
     caller.copy_(source.narrow(0, offset, caller.numel()).view(caller.sizes()));
@@ -114,14 +116,7 @@ void WriteBack::land() {
     if (copied.transfers > 0) tally(name_, copied);
     pieces_.clear(); // the copies are not needed once written
     landed_.clear();
-    written_ = true;
   });
-}
-
-void WriteBack::write() {
-  copyBack();
-  awaitCopies(/*covered=*/false);
-  land();
 }
 
 void rethrowStaged(const std::string& what) {

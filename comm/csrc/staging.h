@@ -18,7 +18,6 @@
 // types), module.cpp (Python).
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -86,9 +85,6 @@ class WriteBack {
   // stream were waited for); whether they are done now.
   bool awaitCopies(bool covered);
   void land();
-  // All three: a staged call's whole write-back.
-  void write();
-  bool written() const { return written_.load(); }
   const Tensors& results() const { return results_; }
   // Says what was staged, for an error raised by the collective.
   std::string what() const { return what_(); }
@@ -106,7 +102,6 @@ class WriteBack {
   std::vector<at::Tensor> landed_; // pinned host buffers the results come back into
   std::optional<c10::Event> copied_; // recorded after the copies back, where there are any
   std::once_flag landOnce_;
-  std::atomic<bool> written_{false};
 };
 
 // The work of a staged call: the group backend's works on the copies, completed by
