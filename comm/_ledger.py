@@ -17,15 +17,22 @@ someone put an object of their own there after comm (torch_npu imported after
 :func:`follow` is for an attribute that others replace too, as torch_npu replaces
 c10d's group-creation helper: comm's stand-in wraps whatever was there, and whatever is
 assigned there later (the module's class is swapped for one that sees assignments),
-so comm's wrapper stays in front whoever came first. Thread-safe: one lock guards
-the ledger and every write it makes.
+so comm's wrapper stays in front whoever came first. Only the newest of its stand-ins
+acts; every other one, and all of them once restored, hands the call straight to what
+it wraps. So a plugin that wrapped comm's stand-in, or a test that saved it and puts it
+back later, never runs comm twice, and nothing of comm's acts after :func:`restore`,
+wherever a stand-in of comm's was kept. An assignment of one of comm's own stand-ins
+(a ``monkeypatch`` undone) is recognised, not wrapped again. Thread-safe: one lock
+guards the ledger and every write it makes.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import types
+import weakref
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
 
 __all__ = ["Key", "Replaced", "entries", "follow", "held", "replace", "restore"]
@@ -40,15 +47,27 @@ Key = Tuple[int, str]
 
 
 class _Entry:
-    """One replacement: where, what comm put there, what it displaced, who made it; ``wrap`` for a followed one."""
+    """One replacement: where, what comm put there, what it displaced, who made it; ``around`` for a followed one."""
 
     def __init__(self, owner: Any, name: str, original: Any, replacement: Any, by: str,
-                 wrap: Optional[Callable[[Any], Any]] = None) -> None:
+                 around: Optional[Callable[..., Any]] = None) -> None:
         self.owner, self.name, self.original, self.replacement, self.by = owner, name, original, replacement, by
-        self.wrap = wrap
+        self.around = around
+
+    def follow(self, value: Any) -> Any:
+        """``value`` was put at the followed attribute: make comm's stand-in in front of it the acting one."""
+        made = _made_by(value)
+        if made is not None and made[0] is self:  # one of this entry's own, put back
+            self.original, self.replacement = made[1], value
+        else:
+            self.original = _unwrapped(value)
+            self.replacement = _stand_in(self, self.original)
+        return self.replacement
 
 
 _ENTRIES: Dict[Key, _Entry] = {}  # in the order they were made; restored in reverse
+# Every stand-in follow() made -> (its entry, the function it stands in front of), for as long as it lives.
+_MADE: "weakref.WeakKeyDictionary[Any, Tuple[_Entry, Any]]" = weakref.WeakKeyDictionary()
 
 
 class Replaced(NamedTuple):
@@ -74,8 +93,9 @@ def replace(owner: Any, name: str, replacement: Any, *, by: str) -> bool:
         return True
 
 
-def follow(owner: types.ModuleType, name: str, wrap: Callable[[Any], Any], *, by: str) -> bool:
-    """Put ``wrap(what is there)`` at module ``owner``'s ``name``, and again over whatever is assigned there later.
+def follow(owner: types.ModuleType, name: str, around: Callable[..., Any], *, by: str) -> bool:
+    """Put a stand-in at module ``owner``'s ``name`` that calls ``around(inner, *args, **kwargs)``, and again in
+    front of whatever is assigned there later (``inner`` is the function it stands in front of).
 
     Each object assigned later becomes the one :func:`restore` puts back: the module
     then holds what it would hold had comm never been there. Returns whether it
@@ -86,8 +106,8 @@ def follow(owner: types.ModuleType, name: str, wrap: Callable[[Any], Any], *, by
     with _LOCK:
         if not _claim(owner, name, by):
             return False
-        original = _read(owner, name)
-        entry = _Entry(owner, name, original, wrap(original), by, wrap)
+        entry = _Entry(owner, name, None, None, by, around)
+        entry.follow(_read(owner, name))
         _ENTRIES[(id(owner), name)] = entry
         if type(owner) is types.ModuleType:
             owner.__class__ = _Watched
@@ -112,7 +132,8 @@ def restore(*, by: str, only: Optional[Iterable[Key]] = None) -> None:
             else:
                 _LOG.debug("comm leaves %s.%s as it is: it was replaced after comm's stand-in", _label(entry.owner),
                            entry.name)
-            if entry.wrap is not None:
+            if entry.around is not None:
+                entry.replacement = None  # every stand-in of this entry now only hands calls on
                 _unwatch(entry.owner)
 
 
@@ -134,10 +155,10 @@ class _Watched(types.ModuleType):
     def __setattr__(self, name: str, value: Any) -> None:
         with _LOCK:
             entry = _ENTRIES.get((id(self), name))
-            if entry is not None and entry.wrap is not None and value is not entry.replacement:
-                _LOG.debug("%s.%s was replaced after comm's stand-in: comm wraps the new one", self.__name__, name)
-                entry.original, entry.replacement = value, entry.wrap(value)
-                value = entry.replacement
+            if entry is not None and entry.around is not None and value is not entry.replacement:
+                _LOG.debug("%s.%s was replaced after comm's stand-in: comm stands in front of the new one",
+                           self.__name__, name)
+                value = entry.follow(value)
             types.ModuleType.__setattr__(self, name, value)
 
 
@@ -153,9 +174,44 @@ def _claim(owner: Any, name: str, by: str) -> bool:
 
 def _unwatch(owner: Any) -> None:
     """Give ``owner`` back its plain module class once comm follows none of its attributes."""
-    still_followed = any(entry.owner is owner and entry.wrap is not None for entry in _ENTRIES.values())
+    still_followed = any(entry.owner is owner and entry.around is not None for entry in _ENTRIES.values())
     if type(owner) is _Watched and not still_followed:
         _write(owner, "__class__", types.ModuleType)
+
+
+def _stand_in(entry: _Entry, inner: Any) -> Callable[..., Any]:
+    """comm's stand-in in front of ``inner``: ``entry.around`` while it is the entry's acting one, else ``inner``."""
+
+    @functools.wraps(inner)
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        if entry.replacement is stand_in:
+            return entry.around(inner, *args, **kwargs)
+        return inner(*args, **kwargs)
+
+    stand_in.__comm_replaces__ = inner  # type: ignore[attr-defined]
+    _MADE[stand_in] = (entry, inner)
+    return stand_in
+
+
+def _made_by(value: Any) -> Optional[Tuple[_Entry, Any]]:
+    """(the entry, what it stands in front of) where ``value`` is a stand-in :func:`follow` made, else None.
+
+    Told by identity, not by attributes: ``functools.wraps`` copies a function's
+    attributes onto a plugin's wrapper around it.
+    """
+    try:
+        return _MADE.get(value)
+    except TypeError:  # unhashable, or cannot be weakly referenced: not one of comm's
+        return None
+
+
+def _unwrapped(value: Any) -> Any:
+    """``value`` without comm's followed stand-ins in front of it (one kept from an earlier follow, put back)."""
+    made = _made_by(value)
+    while made is not None:
+        value = made[1]
+        made = _made_by(value)
+    return value
 
 
 def _read(owner: Any, name: str) -> Any:

@@ -55,7 +55,7 @@ def patch(clip_grad_norm: bool = True, devices: bool = True) -> None:
             module_name, name = slot.GROUP_CREATION
             # Followed, not just replaced: a plugin that puts its own helper there later
             # (torch_npu imported after comm) gets comm's wrapper in front of it too.
-            _ledger.follow(importlib.import_module(module_name), name, _watching, by=_BY)
+            _ledger.follow(importlib.import_module(module_name), name, _create_group, by=_BY)
         if clip_grad_norm:
             for module_name in _CLIP_MODULES:
                 _install(module_name, "clip_grad_norm_", norm.clip_grad_norm_)
@@ -101,13 +101,9 @@ def patched(clip_grad_norm: bool = True, devices: bool = True) -> Iterator[None]
                 translate.uninstall()
 
 
-def _watching(helper: Callable[..., Any]) -> Callable[..., Any]:
-    """c10d's group-creation ``helper`` (torch's, or a plugin's copy of it), then comm's backend in each new group."""
-    return _stand_in(helper, functools.partial(_create_group, helper))
-
-
 def _create_group(helper: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``helper`` creates the group as c10d does; comm then fills its empty slots.
+    """c10d's group-creation ``helper`` (torch's, or a plugin's copy of it) creates the group; comm then fills
+    its empty slots.
 
     A rank outside the new group gets torch's placeholder (``NON_GROUP_MEMBER``)
     rather than a group: nothing to equip there.

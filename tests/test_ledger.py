@@ -1,5 +1,6 @@
 """comm's one ledger of replacements: modules, classes that only inherit, dicts; restored only where still comm's."""
 
+import functools
 import logging
 import threading
 import types
@@ -59,23 +60,54 @@ def test_restore_only_some_and_two_parts_of_comm_cannot_hold_one_attribute():
     assert module.g is abs
 
 
+def _around(inner, *args):
+    return ("comm", inner(*args))
+
+
 def test_follow_wraps_whatever_is_assigned_later_and_restore_puts_back_the_last_one():
     module = _module(helper=len)
-
-    def wrap(function):
-        return lambda *args: ("wrapped", function(*args))
-
-    assert _ledger.follow(module, "helper", wrap, by="test")
-    assert module.helper([1]) == ("wrapped", 1) and type(module) is not types.ModuleType
+    assert _ledger.follow(module, "helper", _around, by="test")
+    assert module.helper([1]) == ("comm", 1) and type(module) is not types.ModuleType
     module.helper = lambda items: "theirs"  # a plugin's copy, put there after comm's
-    assert module.helper([1]) == ("wrapped", "theirs")
+    assert module.helper([1]) == ("comm", "theirs")
     theirs = _ledger.entries()[-1].original
     _ledger.restore(by="test")
     assert module.helper is theirs and type(module) is types.ModuleType
     module.helper = len  # no longer followed
     assert module.helper is len
     with pytest.raises(TypeError, match="only a module's attributes"):
-        _ledger.follow(Child, "method", wrap, by="test")
+        _ledger.follow(Child, "method", _around, by="test")
+
+
+def test_a_monkeypatch_round_trip_while_followed_leaves_one_stand_in_and_restore_leaves_none(monkeypatch):
+    module = _module(helper=len)
+    _ledger.follow(module, "helper", _around, by="test")
+    stand_in = module.helper
+    monkeypatch.setattr(module, "helper", sorted)
+    assert module.helper([2, 1]) == ("comm", [1, 2])
+    monkeypatch.undo()  # puts comm's own stand-in back: recognised, not wrapped again
+    assert module.helper is stand_in and module.helper([1]) == ("comm", 1)
+    _ledger.restore(by="test")
+    assert module.helper is len and not _ledger.held("test")
+
+
+def test_a_plugin_that_wraps_comms_stand_in_runs_comm_once_and_not_at_all_after_restore():
+    module = _module(helper=len)
+    _ledger.follow(module, "helper", _around, by="test")
+
+    def plugin(function):  # wraps whatever it finds, as a plugin patching c10d would
+        @functools.wraps(function)  # (copies the attributes of comm's stand-in onto its own)
+        def wrapper(*args):
+            return ("plugin", function(*args))
+        return wrapper
+
+    module.helper = plugin(module.helper)
+    assert module.helper([1]) == ("comm", ("plugin", 1))  # comm's inner stand-in hands the call on
+    _ledger.restore(by="test")
+    assert module.helper([1]) == ("plugin", 1)  # the plugin's stays; comm inside it acts no more
+    _ledger.follow(module, "helper", _around, by="test")  # patched again: in front of the plugin, once
+    assert module.helper([1]) == ("comm", ("plugin", 1))
+    _ledger.restore(by="test")
 
 
 def test_threads_replacing_and_restoring_at_once_leave_the_originals():

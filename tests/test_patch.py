@@ -241,6 +241,33 @@ def test_torch_npus_patches_before_or_after_comm_patch_leave_every_new_group_equ
         assert seen["theirs left"] == [] and seen["after unpatch"] == []
 
 
+def _saved_put_back_and_wrapped(rank, world_size):
+    """c10d's helper saved and put back while patched (a monkeypatch undone), then wrapped by a plugin; unpatched."""
+    comm.patch()
+    saved = c10d._new_process_group_helper
+    c10d._new_process_group_helper = saved.__comm_replaces__  # monkeypatch.setattr(...) of torch's own
+    c10d._new_process_group_helper = saved  # ... and its undo
+    seen = {"one stand-in": c10d._new_process_group_helper is saved and saved.__comm_replaces__ is not saved}
+    inner = c10d._new_process_group_helper
+
+    def plugin(*args, **kwargs):  # a plugin that wraps whatever it finds there
+        return inner(*args, **kwargs)
+
+    c10d._new_process_group_helper = plugin
+    seen["equipped"] = sorted(comm.staged_types(dist.new_group([0, 1])))
+    comm.unpatch()
+    seen["patched"] = comm.is_patched()
+    seen["plugin stays"] = c10d._new_process_group_helper is plugin
+    seen["after unpatch"] = sorted(comm.staged_types(dist.new_group([0, 1])))
+    return seen
+
+
+def test_a_helper_put_back_or_wrapped_while_patched_equips_nothing_after_unpatch():
+    for seen in run_ranks(_saved_put_back_and_wrapped, 2, backend="gloo", simulate=NPU):
+        assert seen == {"one stand-in": True, "equipped": ["npu"], "patched": False, "plugin stays": True,
+                        "after unpatch": []}
+
+
 def _python(code, **env):
     import os
 
