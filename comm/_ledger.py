@@ -181,11 +181,13 @@ def _unwatch(owner: Any) -> None:
 
 def _stand_in(entry: _Entry, inner: Any) -> Callable[..., Any]:
     """comm's stand-in in front of ``inner``: ``entry.around`` while it is the entry's acting one, else ``inner``."""
+    around = entry.around
+    assert around is not None  # made only for a followed entry
 
     @functools.wraps(inner)
     def stand_in(*args: Any, **kwargs: Any) -> Any:
         if entry.replacement is stand_in:
-            return entry.around(inner, *args, **kwargs)
+            return around(inner, *args, **kwargs)
         return inner(*args, **kwargs)
 
     stand_in.__comm_replaces__ = inner  # type: ignore[attr-defined]

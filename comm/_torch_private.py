@@ -53,6 +53,12 @@ PRIVATE_NAMES: Dict[str, str] = {
         "every torch factory function, to find those taking device= from their schemas",
     "torch._C._jit_get_schemas_for_operator":
         "an operator's schemas: which factories take a device argument",
+    "torch.utils._device.DeviceContext":
+        "the function mode behind `with torch.device(...)` and set_default_device: its device is translated",
+    "torch.utils._device._device_constructors":
+        "the factories a device context recognises by identity: built from torch's own before the stand-ins",
+    "torch.overrides._get_tensor_methods":
+        "the Tensor methods torch.fx recognises by identity: built from torch's own, each stand-in added beside",
     "torch.jit._builtins._register_builtin":
         "TorchScript must still see a translated factory as the aten operator it stands for",
     # comm.clip_grad_norm_ (comm/norm.py): the kernels torch's own clip_grad_norm_ uses,

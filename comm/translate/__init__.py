@@ -9,12 +9,15 @@ initialising CUDA, comm translates those calls where a device or backend is cons
   functions act on the accelerator's own module, or on the CPU where there is none;
 * one device-argument translator serves ``Tensor.to``, ``Tensor.cuda`` (and with it
   ``Module.cuda`` and ``Module.to``), every torch factory function that takes
-  ``device=`` (found from the operator schemas, not listed by hand), ``pin_memory``,
+  ``device=`` (found from the operator schemas, not listed by hand), the device of
+  ``with torch.device(...)`` and ``torch.set_default_device``, ``pin_memory``,
   DDP's ``device_ids``/``output_device``, ``init_process_group``/``new_group``
   (backend and ``device_id``), ``init_device_mesh``, ``torch.autocast``, the gradient
   scalers and ``torch.load``'s ``map_location`` (:mod:`comm.translate.calls`).
 
-The accelerator is looked up when a call is first translated, not at install (a
+torch's own sets that recognise functions by identity keep recognising them
+(:mod:`comm.translate.identities`), so what torch does where no CUDA is named, it
+still does. The accelerator is looked up when a call is first translated, not at install (a
 plugin may register its device after the patch), and re-checked while it is the CPU.
 Each kind of translated call logs one INFO line, once, on the ``comm.translate``
 logger. On a machine with CUDA :func:`install` installs nothing.
@@ -27,7 +30,7 @@ import threading
 
 from comm import _ledger
 from comm._env import env_switch
-from comm.translate import calls, cuda
+from comm.translate import calls, cuda, identities
 from comm.translate.core import cuda_present, forget_target, target_type, translated_device
 
 __all__ = ["cuda_present", "install", "is_installed", "target_type", "translated_device", "uninstall"]
@@ -49,7 +52,10 @@ def install() -> bool:
         asked = os.environ.get("COMM_TRANSLATE", "").strip()  # unset: on
         if (asked and env_switch("COMM_TRANSLATE", "1 or 0 (true/false, yes/no, on/off)") == "off") or cuda_present():
             return False
-        for owner, name, replacement in cuda.targets() + calls.targets():
+        replacements = [(owner, name, calls.findable(owner, name, replacement))
+                        for owner, name, replacement in cuda.targets() + calls.targets()]
+        identities.keep(replacements)
+        for owner, name, replacement in replacements:
             _ledger.replace(owner, name, replacement, by=_BY)
         return True
 

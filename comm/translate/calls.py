@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import sys
+import types
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -139,15 +141,23 @@ def _data_loader_init(original: Callable[..., Any]) -> Callable[..., Any]:
     return init
 
 
-def _set_default_device(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def set_default_device(device: Any) -> None:
-        became = translated_device(device) if device is not None else None
-        if became is not device:
-            _changed("torch.set_default_device", device, became)
-        original(became)
+def _device_context_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``with torch.device("cuda")``, ``torch.set_default_device("cuda")``: the context's device translated.
 
-    return set_default_device
+    Both make a ``DeviceContext`` (torch/utils/_device.py; ``with torch.device(...)``
+    makes one from C++), the torch function mode that gives factories called without a
+    device the context's device. Its class stays torch's, so torch's own ``isinstance``
+    checks on the mode stack still find it; only the device it is given is translated.
+    """
+
+    @functools.wraps(original)
+    def init(self: Any, device: Any) -> None:
+        became = translated_device(device)
+        if became is not device:
+            _changed("torch.device context", device, became)
+        original(self, became)
+
+    return init
 
 
 def translated_backend(backend: Any) -> Any:
@@ -317,7 +327,7 @@ def targets() -> List[Tuple[Any, str, Any]]:
     found += [(torch, name, _factory(getattr(torch, name))) for name in factory_names()]
     found += [(torch.Tensor, name, _factory(getattr(torch.Tensor, name), "Tensor"))
               for name in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")]
-    found += targets_of([torch], "set_default_device", _set_default_device)
+    found.append(_method(_device_context(), "__init__", _device_context_init))
     c10d = dist.distributed_c10d
     for name in ("init_process_group", "new_group"):
         found += targets_of([dist, c10d], name, _group_creator)
@@ -326,6 +336,40 @@ def targets() -> List[Tuple[Any, str, Any]]:
         found += targets_of([dist, mesh], "init_device_mesh", lambda f: _first_argument_type(f, "init_device_mesh"))
     found += targets_of([torch, torch.serialization], "load", _load)
     return found
+
+
+def findable(owner: Any, name: str, stand_in: Any) -> Any:
+    """``stand_in`` named for where it stands, so that ``pickle`` finds it as it finds torch's object.
+
+    ``functools.wraps`` copies a builtin's ``__qualname__`` (``_VariableFunctionsClass.zeros``),
+    under which pickle, which saves a function by its module and qualified name, finds
+    nothing; torch's own object pickles by reference. A stand-in already findable where it
+    stands (one for a Python function, a class, a module) is left as it is.
+    """
+    if not isinstance(stand_in, types.FunctionType) or isinstance(owner, dict):
+        return stand_in
+    if isinstance(owner, type):
+        module, qualname = owner.__module__, f"{owner.__qualname__}.{name}"
+    else:
+        module, qualname = owner.__name__, name
+    if _found_at(module, stand_in.__qualname__) is not getattr(owner, name, None):
+        stand_in.__module__, stand_in.__qualname__ = module, qualname
+    return stand_in
+
+
+def _found_at(module: str, qualname: str) -> Any:
+    """What ``pickle`` finds at ``module`` and ``qualname``: None where it finds nothing."""
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found
+
+
+def _device_context() -> type:
+    """torch's device context class: the function mode behind ``with torch.device`` and the default device."""
+    from torch.utils._device import DeviceContext
+
+    return DeviceContext
 
 
 def _optional(name: str) -> Any:

@@ -105,8 +105,12 @@ def translated_type(device_type: Any) -> Any:
 
 
 def note(kind: str, message: Callable[[], str]) -> None:
-    """Log what a kind of call became, the first time one is translated (callers may check ``NOTED`` first)."""
-    if kind not in NOTED:
+    """Log what a kind of call became, the first time one is translated (callers may check ``NOTED`` first).
+
+    Not while ``torch.compile`` traces the call: a compiled graph cannot log, and the
+    call logs once it runs eagerly.
+    """
+    if kind not in NOTED and not torch.compiler.is_compiling():
         NOTED.add(kind)
         log.info("comm translated %s", message())
 

@@ -102,8 +102,12 @@ def _memory_info() -> Tuple[int, int]:
 
 
 def is_available() -> bool:
-    """True for the user's code (its CUDA branch is the one comm translates), the truth for libraries."""
-    if sees_the_truth():
+    """True for the user's code (its CUDA branch is the one comm translates), the truth for libraries.
+
+    Inside ``torch.compile``'s tracing the caller cannot be told (the graph cannot
+    inspect frames), so the answer there is torch's own, which sends no code to CUDA.
+    """
+    if torch.compiler.is_compiling() or sees_the_truth():
         return bool(_REAL.is_available())
     note("torch.cuda.is_available", lambda: f"torch.cuda.is_available() into True (running on {target_type()})")
     return True
@@ -111,7 +115,7 @@ def is_available() -> bool:
 
 def device_count() -> int:
     """The accelerator's device count for the user's code (see :func:`is_available`), the truth for libraries."""
-    if sees_the_truth():
+    if torch.compiler.is_compiling() or sees_the_truth():
         return int(_REAL.device_count())
     module = accelerator_module()
     if module is not None:
