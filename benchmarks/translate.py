@@ -15,7 +15,9 @@ call, so even an operator that takes no device pays for it; the translation adds
 nothing there (it replaces only the functions that take a device).
 
 Part 1 runs on the simulated NPU (CUDA becomes npu:0), part 2 on a CPU-only process
-(CUDA becomes the CPU), each in a fresh process.
+(CUDA becomes the CPU), each in a fresh process. Part 3 times a whole training step of
+``examples/cuda_trainer.py`` (DDP on one CPU rank, so no rank waits for another), translated against the same step with
+the translation removed.
 
     python benchmarks/translate.py [--calls N]
 """
@@ -24,6 +26,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
+import sys
+import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -32,6 +38,8 @@ from torch.overrides import TorchFunctionMode
 from _harness import Call, rotate, run_ranks
 
 CALLS = 10000
+# The training step's sides rotate in blocks of this many counted steps, after this many uncounted.
+_BLOCK, _SETTLE = 100, 50
 NPU = {"name": "npu", "backend": "hccl"}
 
 
@@ -115,6 +123,65 @@ def mode_cost(rank: int, calls: int) -> Dict[str, float]:
     return dict(zip(names, (m * 1e6 for m in medians)))
 
 
+def training_step(rank: int, calls: int) -> Dict[str, float]:
+    """A step of examples/cuda_trainer.py (DDP on one gloo rank): as written and translated, against the step
+    naming the CPU.
+
+    The translated side runs the trainer's step lines (``.cuda(local_rank)``,
+    ``.to(torch.device("cuda", local_rank))``) with the translation installed, as
+    ``python -m comm`` runs them; the other sides run them naming the CPU with the
+    translation removed, as ``--no-devices`` leaves torch (the last is the A/A control).
+    Installing or removing the translation rewrites attributes of torch's classes, which
+    empties Python's attribute caches for them; so the sides rotate in blocks of steps,
+    and the first steps after each switch are not counted.
+    """
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from comm import translate
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import cuda_trainer
+
+    model = cuda_trainer.make_model()
+    ddp = DDP(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=cuda_trainer.LEARNING_RATE)
+    dataset = cuda_trainer.make_dataset()
+    inputs, targets = dataset.tensors[0][:cuda_trainer.BATCH_SIZE], dataset.tensors[1][:cuda_trainer.BATCH_SIZE]
+
+    def step(on: Any, device: Any) -> None:
+        loss = nn.functional.mse_loss(ddp(on(inputs)), targets.to(device, non_blocking=True))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    cuda = torch.device("cuda", 0)
+
+    def as_written() -> None:
+        step(lambda x: x.cuda(0, non_blocking=True), cuda)
+
+    def naming_the_cpu() -> None:
+        step(lambda x: x.to("cpu", non_blocking=True), torch.device("cpu"))
+
+    sides = [(translate.install, as_written), (translate.uninstall, naming_the_cpu),
+             (translate.uninstall, naming_the_cpu)]
+    times: List[List[float]] = [[] for _ in sides]
+    for round_ in range(max(calls // _BLOCK, 1)):
+        for offset in range(len(sides)):
+            which = (round_ + offset) % len(sides)
+            prepare, side = sides[which]
+            prepare()
+            for index in range(_SETTLE + _BLOCK):
+                start = time.perf_counter()
+                side()
+                if index >= _SETTLE:
+                    times[which].append(time.perf_counter() - start)
+    translate.uninstall()
+    medians = [statistics.median(t) for t in times]
+    return {"under -m comm us": medians[0] * 1e6, "--no-devices us": medians[1] * 1e6,
+            "ratio": medians[0] / medians[1], "A/A": medians[2] / medians[1]}
+
+
 def _print(title: str, rows: List[Dict[str, Any]]) -> None:
     print(f"\n{title}")
     print(f"{'call':<26} {'torch us':>9} {'translated us':>14} {'ratio':>6} {'right device':>13} {'wrapper':>8} "
@@ -137,6 +204,10 @@ def main() -> None:
     costs = run_ranks(functools.partial(mode_cost, calls=args.calls), world_size=1)
     print(f"\nx.add(1), an operator that takes no device, {args.calls} calls per side: "
           + ", ".join(f"{name} {us:.2f} us" for name, us in costs.items()))
+    steps = max(args.calls // 5, 100)
+    trained = run_ranks(functools.partial(training_step, calls=steps), world_size=1)
+    print(f"\nA step of examples/cuda_trainer.py, DDP on one gloo rank, CPU-only, {steps} steps per side: "
+          + ", ".join(f"{name} {value:.3f}" for name, value in trained.items()))
 
 
 if __name__ == "__main__":
