@@ -26,7 +26,6 @@ import io
 import json
 import os
 import re
-import sys
 import tempfile
 import traceback
 import warnings
@@ -277,6 +276,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reference", choices=("cpu", "npu"), help="run each idiom's plain reference on this target")
     parser.add_argument("--as-written", action="store_true", help="run each idiom's code as written")
+    parser.add_argument("--out", required=True, help="write the descriptions here as JSON (not stdout: backends print)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # deprecations and betas of the factories called: the same plainly
     if args.reference == "npu":
@@ -288,7 +288,8 @@ def main() -> None:
     for idiom in IDIOMS:
         code = idiom.code if args.reference is None else reference(idiom, args.reference)
         results[idiom.name] = in_child(code, names)
-    json.dump(results, sys.stdout, indent=0)
+    with open(args.out, "w") as out:
+        json.dump(results, out, indent=0)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,10 +31,17 @@ SHOWN_AS = {"DistributedDataParallel": "DDP(", "DataLoader": "DataLoader(", "aut
 
 
 def described(*launch: str) -> dict:
-    """Every idiom's description, run by ``python <launch> device_idioms.py``."""
-    run = subprocess.run([sys.executable, *launch], capture_output=True, text=True, env=quiet_env(), timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout)
+    """Every idiom's description, run by ``python <launch> device_idioms.py``.
+
+    The descriptions come back in a file: stdout also carries what backends print (gloo on torch 2.9 says
+    which peers it connected to).
+    """
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "idioms.json"
+        run = subprocess.run([sys.executable, *launch, "--out", str(out)], capture_output=True, text=True,
+                             env=quiet_env(), timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(out.read_text())
 
 
 def differences(reference: dict, under_comm: dict) -> str:
