@@ -20,7 +20,7 @@ export OMP_NUM_THREADS ?= 1
 export PYTHONDONTWRITEBYTECODE :=
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc-per-node 2
 
-.PHONY: test test-integration test-all test-clients demo bench lint gpu-check wheel clean
+.PHONY: test test-integration test-all test-clients test-launchers demo bench lint gpu-check wheel clean
 
 # PIP_CONSTRAINT replaces any constraint file pip's own configuration names (a machine may cap
 # torch's release there) with this venv's, which pins its torch.
@@ -66,6 +66,13 @@ $(CLIENTS_VENV)/.installed: setup.cfg pyproject.toml constraints.txt tests/clien
 test-clients: $(CLIENTS_VENV)/.installed
 	$(CLIENTS_PY) -m comm.build --simulated
 	$(CLIENTS_PY) -m pytest -p no:xdist -q tests/clients
+
+# Real launchers (issue 36): mpirun (OpenMPI), mpiexec (MPICH), srun and sbatch on a two-node Slurm cluster that
+# tests/launchers starts in a folder of its own, torchrun agents; installs the packages once as root (else skips,
+# saying why); prints each launch's time.
+test-launchers: $(VENV)/.installed
+	$(PY) -m comm.build --simulated
+	$(PY) -m pytest -p no:xdist -p no:cacheprovider -q -rfEs tests/launchers
 
 # DEMO_ARGS=--no-simulate runs the FSDP2 example on plain CPU gloo.
 DEMO_ARGS ?=
