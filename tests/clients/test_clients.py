@@ -40,8 +40,10 @@ STEP = re.compile(r"rank (\d): step (\d+) loss (\S+) (?:grad_norm|checksum) (\S+
 NO_CUDA_BINDINGS = "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'"
 
 
-def torchrun(script, *args, mode):
-    """Run tests/clients/``script`` on two ranks: ``mode`` is plain, comm, cpu (-m comm, no simulation) or reference."""
+def torchrun(script, *args, mode, **env):
+    """Run tests/clients/``script`` on two ranks: ``mode`` is plain, comm, cpu (-m comm, no simulation) or reference.
+
+    ``env`` adds variables to the ranks' environment."""
     if mode in ("plain", "comm"):
         skip_unless_simulation()
     launch = {
@@ -52,7 +54,7 @@ def torchrun(script, *args, mode):
     }[mode]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                *launch, str(CLIENTS / script), *args]
-    return subprocess.run(command, capture_output=True, text=True, env=quiet_env(), timeout=300)
+    return subprocess.run(command, capture_output=True, text=True, env=quiet_env(**env), timeout=300)
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,3 +272,41 @@ def test_transformers_trainer_under_comm_matches_its_cpu_run(mode, device):
     losses, norms = steps(run.stdout)
     assert len(losses) == 3
     assert (losses, norms) == (pytest.approx(reference[0], **TOLERANCE), pytest.approx(reference[1], **TOLERANCE))
+
+
+# torchtitan's Trainer on its llama3 debug model, FSDP2 with CPU offload: it picks the NPU itself,
+# builds the model on the meta device and its RoPE cache under ``with torch.device(...)``; the
+# reference is its own plain run on the simulated NPU.
+
+TORCHTITAN_DEVICE = "npu:{rank} (npu:hccl,cpu:gloo)"
+
+
+@functools.lru_cache(maxsize=None)
+def torchtitan_plain_run():
+    run = torchrun("torchtitan_llama.py", mode="plain")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def test_torchtitan_trains_plainly_on_the_simulated_npu():
+    """Without comm torchtitan trains on Ascend: it chooses the NPU and a group serving the NPU and the CPU."""
+    run = torchtitan_plain_run()
+    assert_ran_on(run.stdout, TORCHTITAN_DEVICE)
+    losses, _ = steps(run.stdout)
+    assert len(losses) == client("torchtitan_llama").STEPS
+
+
+def test_torchtitan_fails_plainly_on_a_cpu_only_machine():
+    """On a CPU-only machine torchtitan takes the CUDA road (its device_type falls back to "cuda")."""
+    assert_fails_with(torchrun("torchtitan_llama.py", mode="reference"), NO_CUDA_BINDINGS)
+
+
+@pytest.mark.parametrize("translate", ["1", "0"], ids=["translation-on", "translation-off"])
+def test_torchtitan_under_comm_trains_as_it_does_plainly(translate):
+    """Under ``-m comm`` the meta device, ``with torch.device(...)`` and the default device act as plainly:
+    the same losses and gradient norms, on the same devices."""
+    run = torchrun("torchtitan_llama.py", mode="comm", COMM_TRANSLATE=translate)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_ran_on(run.stdout, TORCHTITAN_DEVICE)
+    reference = steps(torchtitan_plain_run().stdout)
+    assert steps(run.stdout) == (pytest.approx(reference[0], **TOLERANCE), pytest.approx(reference[1], **TOLERANCE))
