@@ -20,7 +20,7 @@ export OMP_NUM_THREADS ?= 1
 export PYTHONDONTWRITEBYTECODE :=
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc-per-node 2
 
-.PHONY: test test-integration test-all test-clients test-launchers demo bench lint gpu-check wheel clean
+.PHONY: test test-integration test-all test-clients test-launchers demo bench lint gpu-check wheel test-wheel clean
 
 # PIP_CONSTRAINT replaces any constraint file pip's own configuration names (a machine may cap
 # torch's release there) with this venv's, which pins its torch.
@@ -108,10 +108,19 @@ GPU_PYTHON ?= python3
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -m cuda -p no:xdist -p no:cacheprovider -s -q
 
-# The wheel in dist/; build/ goes first, or setuptools would pack files a deleted module left there.
+# The platform wheel in dist/ (setup.py): comm's C++ built against this venv's torch (TORCH=<release>
+# picks the venv), carried in the wheel, which pins that torch. build/ goes first, or setuptools
+# would pack files a deleted module left there.
 wheel: $(VENV)/.installed
 	rm -rf build
-	$(PY) -m pip wheel --no-deps --quiet --wheel-dir dist .
+	$(PY) -m comm.build --simulated
+	COMM_PREBUILT=1 $(PY) -m pip wheel --no-deps --no-build-isolation --quiet --wheel-dir dist .
+
+# The wheel as a user installs it, with no compiler and no ninja (tests/prebuilt). On another release,
+# the fresh venv takes that release's torch from its venv (COMM_TORCH_SITE) instead of installing it again.
+test-wheel: wheel
+	$(if $(filter $(VENV),.venv),,COMM_TORCH_SITE=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")) \
+		$(PY) -m pytest -p no:xdist -p no:cacheprovider -q tests/prebuilt
 
 clean:
 	rm -rf .venv .venv-torch* $(CLIENTS_VENV) *.egg-info .pytest_cache build dist

@@ -9,12 +9,18 @@ build of its own and every later process just imports it. The folder is under
 or ``~/.cache``). Concurrent first builds (pytest workers, rank processes) wait for
 each other on torch's lock in that folder. ``python -m comm.build`` builds both
 ahead of time, so that the ranks of a job do not each compile at first use.
+
+A platform wheel (``make wheel``) carries both already built, in ``comm/_prebuilt``,
+with a manifest naming the torch release and the sources each was built from; where
+they match this process's, that build is loaded and nothing is compiled, so no
+compiler or ninja is needed. Anything else falls back to the build at first use.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import platform
 import shutil
@@ -22,7 +28,7 @@ import sys
 import threading
 from pathlib import Path
 from types import ModuleType
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -36,6 +42,9 @@ _SHARED = Path(__file__).with_name("csrc")
 # Written into a build's folder once the build has finished: torch's own lock file
 # there cannot say so (from torch 2.14 it stays behind after the build).
 _FINISHED = "comm-build-finished"
+# Where a platform wheel carries its builds, and the manifest that says what each was built from.
+PREBUILT = Path(__file__).with_name("_prebuilt")
+_MANIFEST = "manifest.json"
 
 
 class Extension:
@@ -63,6 +72,7 @@ class Extension:
         # Imported only to build: it takes a while, and on a CUDA wheel without CUDA it warns.
         from torch.utils import cpp_extension
 
+        _put_pips_ninja_on_path()
         compiler = os.environ.get("CXX", "c++")
         if shutil.which(compiler) is None:
             return f"no C++ compiler to build {self.what}: {compiler!r} is not on PATH (set CXX)"
@@ -87,9 +97,24 @@ class Extension:
         return self._module is not None
 
     def is_built(self) -> bool:
-        """Whether this machine has a finished build of these sources for this torch."""
+        """Whether this machine has a finished build of these sources for this torch.
+
+        The build is carried by a platform wheel, or cached from an earlier build here.
+        """
         directory, library = self._build_paths()
-        return library.exists() and (directory / _FINISHED).exists()
+        return self.prebuilt() is not None or (library.exists() and (directory / _FINISHED).exists())
+
+    def prebuilt(self) -> Optional[Tuple[Path, str]]:
+        """The build a platform wheel carries and its module's name; None unless it was built from these sources
+        for this torch."""
+        library = PREBUILT / f"{self.name}.so"
+        try:
+            built_from = json.loads((PREBUILT / _MANIFEST).read_text())[self.name]
+            matches = (built_from["sources"], built_from["torch"]) == (self._sources_digest(), torch.__version__)
+            module = str(built_from["module"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return (library, module) if matches and library.exists() else None
 
     def _build_paths(self) -> Tuple[Path, Path]:
         name = f"{self.name}_{self._fingerprint()}"
@@ -97,14 +122,12 @@ class Extension:
         return directory, directory / f"{name}.so"
 
     def _import_or_build(self) -> ModuleType:
+        prebuilt = self.prebuilt()
+        if prebuilt is not None:
+            return self._import(*prebuilt)
         directory, library = self._build_paths()
         if self.is_built():
-            spec = importlib.util.spec_from_file_location(library.stem, library)
-            if spec is None or spec.loader is None:
-                raise RuntimeError(f"cannot import the build of {self.what} at {library}")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
+            return self._import(library, library.stem)
         from torch.utils import cpp_extension  # imported only to build (see unavailable_reason)
 
         directory.mkdir(parents=True, exist_ok=True)
@@ -119,12 +142,49 @@ class Extension:
         (directory / _FINISHED).touch()
         return built
 
-    def _fingerprint(self) -> str:
+    def _import(self, library: Path, name: str) -> ModuleType:
+        """The extension module in ``library``, whose init function is named for ``name``."""
+        spec = importlib.util.spec_from_file_location(name, library)
+        if spec is None or spec.loader is None:
+            raise RuntimeError(f"cannot import the build of {self.what} at {library}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    def _sources_digest(self) -> str:
         digest = hashlib.sha256()
         for path in [self.csrc / source for source in self.sources] + list(self.headers):
             digest.update(path.read_bytes())
-        digest.update(f"{torch.__version__} {sys.version} {platform.machine()}".encode())
         return digest.hexdigest()[:16]
+
+    def _fingerprint(self) -> str:
+        """The cache's name for a build: these sources, this torch, this Python, this machine."""
+        key = f"{self._sources_digest()} {torch.__version__} {sys.version} {platform.machine()}"
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def copy_build_to(self, folder: Path) -> Dict[str, str]:
+        """Build (or take the cached build), copy it into ``folder`` as ``<name>.so``; return its manifest entry.
+
+        What a platform wheel carries (setup.py). The module's init function is named
+        for the build it was compiled as, so the entry keeps that name for :meth:`prebuilt`.
+        """
+        self.load()
+        prebuilt = self.prebuilt()
+        library, module = prebuilt if prebuilt is not None else (self._build_paths()[1], self._build_paths()[1].stem)
+        shutil.copyfile(library, folder / f"{self.name}.so")
+        return {"sources": self._sources_digest(), "torch": torch.__version__, "module": module}
+
+
+def _put_pips_ninja_on_path() -> None:
+    """Where ninja came from pip (comm depends on it) but its folder is not on ``PATH`` (a venv's python run by its
+    path, not activated), add that folder: torch's build finds ninja on ``PATH`` only."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    folder = str(getattr(ninja, "BIN_DIR", ""))
+    if folder and folder not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(filter(None, [os.environ.get("PATH", ""), folder]))
 
 
 def _cache_root() -> Path:

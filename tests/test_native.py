@@ -1,5 +1,6 @@
 """The build cache of comm's C++: built once per machine and release, found again without a compiler."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import textwrap
 
 import pytest
 
+from comm import _native
 from comm._native import SIMULATED, STAGING
 
 from multiproc import skip_unless_simulation
@@ -58,3 +60,24 @@ def test_without_a_compiler_and_without_the_build_the_reason_names_what_to_insta
     assert not STAGING.is_built()
     assert STAGING.unavailable_reason() == (
         "no C++ compiler to build comm's staging backend: 'c++' is not on PATH (set CXX)")
+
+
+def test_a_wheels_build_is_taken_only_where_it_was_built_from_these_sources_for_this_torch(tmp_path, monkeypatch):
+    """What a platform wheel carries (``comm/_prebuilt``) loads where its manifest matches; else comm builds."""
+    monkeypatch.setattr(_native, "PREBUILT", tmp_path)
+    entry = STAGING.copy_build_to(tmp_path)
+    manifest = tmp_path / "manifest.json"
+
+    def carried(**changed):
+        manifest.write_text(json.dumps({STAGING.name: {**entry, **changed}}))
+        return STAGING.prebuilt()
+
+    assert carried() == (tmp_path / f"{STAGING.name}.so", entry["module"])
+    assert carried(torch="2.9.1+cpu") is None
+    assert carried(sources="0" * 16) is None
+    assert SIMULATED.prebuilt() is None  # the manifest names only the staging backend
+    manifest.write_text("{not json")
+    assert STAGING.prebuilt() is None
+    manifest.write_text(json.dumps({STAGING.name: entry}))
+    (tmp_path / f"{STAGING.name}.so").unlink()
+    assert STAGING.prebuilt() is None
