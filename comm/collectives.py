@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import linecache
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -262,7 +263,11 @@ def _explicit(name: str) -> Callable[..., Any]:
         "spare": gap.spared_by[1] if gap is not None and gap.spared_by is not None else None,
         **{f"default_{p.name}": p.default for p in parameters if p.default is not inspect.Parameter.empty},
     }
-    exec(compile(_source(name, parameters), f"<comm.{name}>", "exec"), namespace)  # noqa: S102 - from the table
+    source, filename = _source(name, parameters), f"<comm.{name}>"
+    # The source where tracebacks, inspect.getsource and debuggers look for a file's lines
+    # (no modification time: linecache.checkcache keeps the entry).
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - from the table
     explicit: Callable[..., Any] = namespace[name]
     explicit.__module__ = __name__
     explicit.__qualname__ = name

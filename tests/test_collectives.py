@@ -5,7 +5,9 @@ import gc
 import inspect
 import logging
 import re
+import sys
 import time
+import traceback
 import weakref
 from typing import Any, Callable, List
 
@@ -496,6 +498,18 @@ def test_a_learnt_call_fails_and_logs_as_torchs_own(one_rank_gloo, caplog):
     assert loggers == {"collectives.py"}  # comm's fast path logged them, in the wrapper's place
     assert seen["comm"] == seen["torch.distributed"]
     assert len(seen["comm"]) == 4 and all(seen["comm"])
+
+
+def test_a_failure_inside_comms_call_shows_its_source_line(one_rank_gloo):
+    """comm's calls are written at import: their source is where tracebacks and inspect look for it."""
+    comm.all_reduce(torch.ones(1))  # learnt: the next call fails inside the fast path
+    try:
+        comm.all_reduce(torch.ones(1), op="sum")
+    except Exception:  # noqa: BLE001 - whatever torch raises for the op
+        frames = traceback.extract_tb(sys.exc_info()[2])
+    inside = [frame for frame in frames if frame.filename == "<comm.all_reduce>"]
+    assert inside and inside[-1].line == "return target(tensor, op, group, async_op)", frames
+    assert inspect.getsource(comm.all_reduce).startswith("def all_reduce(tensor, op=default_op, group=default_group")
 
 
 def test_assigning_an_entry_of_torch_points_comms_call_at_it(one_rank_gloo):
