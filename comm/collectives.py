@@ -225,9 +225,9 @@ def _body(function: Callable[..., Any]) -> Tuple[Callable[..., Any], bool]:
     """What comm's fast path calls for ``function``, and whether it logs the failures: torch's function body and
     True where ``function`` is that body in torch's exception logger; else ``function`` itself and False."""
     code = getattr(function, "__code__", None)
-    if _LOGGER_CODE is None or code is not _LOGGER_CODE:
+    body = getattr(function, "__wrapped__", None)  # set by the logger's functools.wraps
+    if _LOGGER_CODE is None or code is not _LOGGER_CODE or body is None:
         return function, False
-    body: Callable[..., Any] = function.__closure__[code.co_freevars.index("func")].cell_contents  # type: ignore
     return body, True
 
 
