@@ -110,10 +110,12 @@ gpu-check:
 
 # The platform wheel in dist/ (setup.py): comm's C++ built against this venv's torch (TORCH=<release>
 # picks the venv), carried in the wheel, which pins that torch. build/ goes first, or setuptools
-# would pack files a deleted module left there.
+# would pack files a deleted module left there. The build runs in the venv (it needs its torch), so
+# the venv gets pyproject.toml's build requirements (torch 2.9's venv has no wheel package).
 wheel: $(VENV)/.installed
 	rm -rf build
 	$(PY) -m comm.build --simulated
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(PY) -m pip install --quiet "setuptools>=61" wheel
 	COMM_PREBUILT=1 $(PY) -m pip wheel --no-deps --no-build-isolation --quiet --wheel-dir dist .
 
 # The wheel as a user installs it, with no compiler and no ninja (tests/prebuilt). On another release,
