@@ -12,8 +12,10 @@ It is built as real accelerator plugins are: a C++ extension (``csrc/``), compil
 on first use and cached, registers a device guard (current device and stream per
 thread), an allocator whose storages are host memory, the PrivateUse1 hooks (device
 count, pinned host memory, storage resizing), copy kernels (counted as transfers),
-a fallback that runs every other operator's CPU kernel on the same memory, and a
-c10d ``Backend`` that runs collectives with gloo on that memory.
+a fallback that runs every other operator's CPU kernel on the same memory (with
+kernels of its own, the CPU's run on the host, where torch sends a plugin's
+convolutions and fused attention), and a c10d ``Backend`` that runs collectives with
+gloo on that memory.
 
 Collectives complete asynchronously on a worker per communicator, as on a device
 stream: ``wait()`` makes the device wait, and operators, copies and synchronisations

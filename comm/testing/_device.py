@@ -101,7 +101,7 @@ def install_device(name: str, device_count: int) -> None:
     core = SIMULATED.load()
     rename_privateuse1_backend(name)
     core.install(device_count)
-    core.run_on_host_for(_structured_operators())
+    core.run_on_host_for(_operators_with_composites())
     generate_methods_for_privateuse1_backend()
     # torch.autocast(name) needs a kernel for every operator at AutocastPrivateUse1: pass
     # them all through (the simulation casts nothing; a real plugin registers casts).
@@ -126,15 +126,24 @@ def _register_record_stream() -> None:
     _LIBRARIES.append(library)
 
 
-def _structured_operators() -> List[str]:
-    """aten operators whose PrivateUse1 kernel would otherwise be a composite over their out= variant."""
+def _operators_with_composites() -> List[str]:
+    """aten operators with a CPU kernel whose PrivateUse1 kernel would otherwise be a composite.
+
+    Structured operators' (add, mul, ...) is a composite over their out= variant
+    (CompositeExplicitAutogradNonFunctional); a few others' decomposes them into other
+    operators (CompositeExplicitAutograd: native_layer_norm's, native_group_norm's, ...),
+    whose numerics differ from the CPU kernel's. The simulated device runs the CPU's,
+    except where it has a kernel of its own (copy_, ...).
+    """
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     return [
         name[len("aten::"):]
         for name in torch._C._dispatch_get_all_op_names()
         if name.startswith("aten::")
-        and has_kernel(name, "CompositeExplicitAutogradNonFunctional")
         and has_kernel(name, "CPU")
+        and (has_kernel(name, "CompositeExplicitAutogradNonFunctional")
+             or has_kernel(name, "CompositeExplicitAutograd"))
+        and not has_kernel(name, "PrivateUse1")
     ]
 
 

@@ -5,7 +5,9 @@
 // allocator, the PrivateUse1 hooks (device count, pinned host memory, storage
 // resizing), copy kernels between the host and the device (counted as transfers),
 // and one fallback kernel that runs every other operator with the CPU kernel on
-// CPU tensors over the same memory, then hands the results back as device tensors.
+// CPU tensors over the same memory, then hands the results back as device tensors
+// (with kernels of its own, which compute on the host what the CPU would, for the
+// routes torch keeps for a plugin: convolutions and fused attention).
 #include <algorithm>
 #include <array>
 #include <optional>
@@ -17,7 +19,9 @@
 #include <vector>
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/SDPBackend.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/transformers/attention.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -268,8 +272,12 @@ c10::Storage storage_over(const c10::Storage& memory, c10::Device device, c10::A
 }
 
 // `like`'s view (sizes, strides, offset, and its conjugate and negative bits) of `storage`, on `key`'s device.
+// A zero tensor (the ZeroTensor key: autograd's gradient of a constant, such as sgn's
+// of real numbers, which has no memory and reads as zeros) stays one.
 at::Tensor tensor_over(c10::Storage storage, c10::DispatchKey key, const at::Tensor& like) {
-  auto tensor = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key), like.dtype());
+  c10::DispatchKeySet keys(key);
+  if (like._is_zerotensor()) keys = keys.add(c10::DispatchKey::ZeroTensor);
+  auto tensor = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys, like.dtype());
   auto* impl = tensor.unsafeGetTensorImpl();
   impl->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
   impl->_set_conj(like.is_conj());
@@ -462,7 +470,14 @@ void check_same_device(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue>
       devices.size() > 1 ? devices[1] : c10::Device(c10::kCPU), "!");
 }
 
-void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+// One operator call on the host: the device tensors (and storages) among `op`'s
+// arguments are replaced by host views of the same memory, `run` computes on those
+// as a CPU kernel does (it leaves `op`'s results on the stack in place of its
+// arguments), and the results come back as device tensors. `run` is the CPU's own
+// kernel for most operators (run_on_host); where the CPU has none, the host
+// computes what it would have (convolution_on_host, attention_on_host).
+template <typename Run>
+void on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, const Run& run) {
   const auto& schema = op.schema();
   const size_t first = stack->size() - schema.arguments().size();
   check_same_device(op, c10::ArrayRef<c10::IValue>(*stack).slice(first));
@@ -517,7 +532,7 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
   }
   auto target = index.value_or(current_index);
-  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  run(stack);
   views.write_back();
   for (size_t i = stack->size() - schema.returns().size(); i < stack->size(); ++i) {
     c10::IValue& value = (*stack)[i];
@@ -531,6 +546,123 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
+// `op` as the CPU runs it, on the host arguments on `stack`.
+void run_on_cpu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+}
+
+// The fallback: every operator without a kernel of its own runs the CPU's.
+void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  on_host(op, stack, [&op](torch::jit::Stack* host) { run_on_cpu(op, host); });
+}
+
+c10::OperatorHandle aten_operator(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
+
+// ---- convolutions -------------------------------------------------------------
+//
+// torch sends the convolutions of a device it has no kernels for (PrivateUse1 among
+// them) to convolution_overrideable and, backward, convolution_backward_overrideable
+// (ConvBackend::Overrideable in aten/src/ATen/native/Convolution.cpp), which no CPU
+// kernel serves: a plugin implements them (torch_npu does, natively, with CANN's
+// convolutions). The simulation computes them with the CPU's convolution on the same
+// memory, as the fallback does every other operator.
+
+// convolution_overrideable takes exactly at::convolution's arguments.
+void convolution_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  static const c10::OperatorHandle convolution = aten_operator("aten::convolution");
+  on_host(op, stack, [](torch::jit::Stack* host) { run_on_cpu(convolution, host); });
+}
+
+// convolution_backward_overrideable takes at::convolution_backward's arguments but
+// the bias's sizes (the fourth), by which that sizes the bias's gradient: the bias has
+// one value per output channel, grad_output's second dimension.
+void convolution_backward_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  static const c10::OperatorHandle convolution_backward = aten_operator("aten::convolution_backward");
+  on_host(op, stack, [&op](torch::jit::Stack* host) {
+    const size_t first = host->size() - op.schema().arguments().size();
+    const at::Tensor& grad_output = (*host)[first].toTensor();
+    bool wants_bias = (*host)[host->size() - 1].toBoolList().get(2);
+    c10::IValue bias_sizes;
+    if (wants_bias) bias_sizes = std::vector<int64_t>{grad_output.size(1)};
+    host->insert(host->begin() + static_cast<std::ptrdiff_t>(first + 3), std::move(bias_sizes));
+    run_on_cpu(convolution_backward, host);
+  });
+}
+
+// ---- attention ----------------------------------------------------------------
+//
+// scaled_dot_product_attention asks the device's _fused_sdp_choice_stub which kernel to
+// run (aten/src/ATen/native/transformers/attention.cpp). A device without one runs the
+// math (matmul, softmax, ... one by one); a plugin answers "overrideable" and implements
+// _scaled_dot_product_fused_attention_overrideable and its _backward (torch's own test
+// device, openreg, does). The simulated device answers as the CPU does for the same
+// tensors, its fused kernel standing for the CPU's flash attention, and that kernel is the
+// CPU's flash attention, run on the host: attention computes what it computes on the CPU.
+
+// A host tensor with `tensor`'s sizes, strides, dtype and requires_grad, and no memory:
+// what the CPU's choice looks at (it reads no values, and while torch.compile traces,
+// the tensors have none).
+at::Tensor host_for_choice(const at::Tensor& tensor) {
+  if (!on_device(tensor)) return tensor;
+  c10::Storage none(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, c10::Device(c10::kCPU)), nullptr, false);
+  at::Tensor host = tensor_over(std::move(none), c10::DispatchKey::CPU, tensor);
+  if (tensor.requires_grad()) host.requires_grad_(true);
+  return host;
+}
+
+int64_t choose_attention(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& mask,
+    double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  std::optional<at::Tensor> host_mask;
+  if (mask && mask->defined()) host_mask = host_for_choice(*mask);
+  // Straight to the CPU's kernel: torch.compile's fake tensor mode, which would intercept
+  // a call through the dispatcher, has no part in it.
+  auto choice = static_cast<at::SDPBackend>(at::_ops::_fused_sdp_choice::redispatch(
+      c10::DispatchKeySet(c10::DispatchKey::CPU), host_for_choice(query), host_for_choice(key),
+      host_for_choice(value), host_mask, dropout_p, is_causal, scale, enable_gqa));
+  return static_cast<int64_t>(choice == at::SDPBackend::flash_attention ? at::SDPBackend::overrideable : choice);
+}
+
+// _scaled_dot_product_fused_attention_overrideable(query, key, value, attn_bias, dropout_p,
+// is_causal, return_debug_mask, *, scale): the CPU's flash attention gives the output and
+// the logsumexp; what else a fused kernel returns (cumulative sequence lengths, its
+// dropout's seed and offset, a debug mask) the CPU's has not: none, the lengths, zeros.
+void attention_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t first = stack->size() - op.schema().arguments().size();
+  const c10::IValue& bias = (*stack)[first + 3];
+  // The CPU's flash attention has no derivative for its mask: torch refuses a mask that
+  // needs a gradient there as here (the CPU never chooses it for one).
+  TORCH_CHECK(!(c10::GradMode::is_enabled() && bias.isTensor() && bias.toTensor().requires_grad()),
+              "the derivative for 'attn_bias' is not implemented: the simulated ",
+              c10::get_privateuse1_backend(), "'s fused attention is the CPU's flash attention");
+  on_host(op, stack, [](torch::jit::Stack* host) {
+    auto args = torch::jit::pop(*host, 8);
+    const at::Tensor& query = args[0].toTensor();
+    const at::Tensor& key = args[1].toTensor();
+    auto [output, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(
+        query, key, args[2].toTensor(), args[4].toDouble(), args[5].toBool(), args[3].toOptional<at::Tensor>(),
+        args[7].toOptional<double>());
+    torch::jit::push(*host, output, logsumexp, at::Tensor(), at::Tensor(), query.size(-2), key.size(-2),
+                     at::zeros({}, at::kLong), at::zeros({}, at::kLong), at::Tensor());
+  });
+}
+
+// _scaled_dot_product_fused_attention_overrideable_backward(grad_out, query, key, value,
+// attn_bias, grad_input_mask, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+// is_causal, philox_seed, philox_offset, *, scale): the CPU's flash attention backward,
+// which gives the query's, key's and value's gradients (none for the mask).
+void attention_backward_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  on_host(op, stack, [](torch::jit::Stack* host) {
+    auto args = torch::jit::pop(*host, 17);
+    const at::Tensor& bias = args[4].toTensor();
+    auto [grad_query, grad_key, grad_value] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+        args[0].toTensor(), args[1].toTensor(), args[2].toTensor(), args[3].toTensor(), args[6].toTensor(),
+        args[7].toTensor(), args[12].toDouble(), args[13].toBool(),
+        bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, args[16].toOptional<double>());
+    torch::jit::push(*host, grad_query, grad_key, grad_value, at::Tensor());
+  });
+}
+
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&run_on_host>());
 }
@@ -542,12 +674,21 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from", copy_from);
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
+  m.impl("convolution_overrideable", torch::CppFunction::makeFromBoxedFunction<&convolution_on_host>());
+  m.impl("convolution_backward_overrideable",
+         torch::CppFunction::makeFromBoxedFunction<&convolution_backward_on_host>());
+  m.impl("_scaled_dot_product_fused_attention_overrideable",
+         torch::CppFunction::makeFromBoxedFunction<&attention_on_host>());
+  m.impl("_scaled_dot_product_fused_attention_overrideable_backward",
+         torch::CppFunction::makeFromBoxedFunction<&attention_backward_on_host>());
 }
 
 // Structured operators (add, mul, mse_loss, ...) fill every backend's slot with a
-// composite kernel that allocates the output and calls the out= variant. A real
-// plugin registers its own kernels there; this one routes those operators to the
-// CPU's functional kernel through the fallback (one dispatch instead of three).
+// composite kernel that allocates the output and calls the out= variant, and a few
+// others (native_layer_norm, native_group_norm, ...) with one that decomposes them into
+// other operators, whose numerics are not the CPU kernel's. A real plugin registers its
+// own kernels there; this one routes those operators to the CPU's kernel through the
+// fallback (one dispatch instead of three, and the CPU's numerics).
 void run_on_host_for(const std::vector<std::string>& names) {
   static torch::Library library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
   for (const auto& name : names) library.impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&run_on_host>());
@@ -622,6 +763,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK(count > 0 && count <= kMaxDevices, "device_count must be in [1, ", kMaxDevices, "]");
     device_count = count;
     at::RegisterPrivateUse1HooksInterface(&hooks);
+    at::native::_fused_sdp_choice_stub.set_privateuse1_dispatch_ptr(&choose_attention);
     pass_autograd_through_where_torch_does_not();
   });
   m.def("run_on_host_for", &run_on_host_for);
