@@ -310,3 +310,56 @@ def test_torchtitan_under_comm_trains_as_it_does_plainly(translate):
     assert_ran_on(run.stdout, TORCHTITAN_DEVICE)
     reference = steps(torchtitan_plain_run().stdout)
     assert steps(run.stdout) == (pytest.approx(reference[0], **TOLERANCE), pytest.approx(reference[1], **TOLERANCE))
+
+
+# FunASR's own trainer (funasr.bin.train): a Transformer with the conv2d input layer, DDP, written for CUDA
+# and NCCL. The numbers are those of FunASR's checkpoint after each step (rank 0 saves them); the reference
+# is FunASR's own run in one process on the CPU (``++device=cpu``) on the union of the ranks' batches.
+
+FUNASR_LOGGED = re.compile(r"train, rank: (\d), epoch: 0/1, data_slice: 0/1, step_in_slice: (\d+)/\d+, "
+                           r".*?\(loss_avg_rank: (\S+)\)")
+FUNASR_VALIDATION = re.compile(r"rank 0: step (\d+) loss \S+ checksum \S+ on (\S+) \(validation loss (\S+)\)")
+
+
+@functools.lru_cache(maxsize=None)
+def funasr_reference():
+    """FunASR's one-process run on a CPU-only machine: no torchrun, no comm (run once per session)."""
+    run = subprocess.run([sys.executable, str(CLIENTS / "funasr_train.py"), "++device=cpu"],
+                         capture_output=True, text=True, env=quiet_env(), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
+def funasr_logged(stdout):
+    """Per step, the mean over the ranks of the loss each logged (FunASR's text log: 3 decimals)."""
+    found = {}
+    for rank, step, loss in FUNASR_LOGGED.findall(stdout):
+        found.setdefault(int(step), {})[int(rank)] = float(loss)
+    return [sum(ranks.values()) / len(ranks) for _, ranks in sorted(found.items())], found
+
+
+@pytest.mark.parametrize("backend, error", [
+    (None, "RuntimeError: Distributed package doesn't have NCCL built in"),
+    ("hccl", NO_CUDA_BINDINGS),
+], ids=["default-nccl", "backend-hccl"])
+def test_funasr_fails_plainly_on_the_simulated_npu(backend, error):
+    """FunASR's ``init_process_group("nccl")`` fails; given ``++backend=hccl``, its ``torch.cuda.set_device``."""
+    run = torchrun("funasr_train.py", *([f"++backend={backend}"] if backend else []), mode="plain")
+    assert_fails_with(run, error)
+    assert "train, rank" not in run.stdout, run.stdout
+
+
+def test_funasr_trains_under_comm_as_in_its_one_process_cpu_run():
+    run = torchrun("funasr_train.py", mode="comm")
+    assert run.returncode == 0, run.stderr[-3000:]
+    reference = funasr_reference()
+    validation = FUNASR_VALIDATION.findall(run.stdout)
+    assert [device for _, device, _ in validation] == ["npu:0"] * 3, run.stdout
+    assert [device for _, device, _ in FUNASR_VALIDATION.findall(reference)] == ["cpu"] * 3, reference
+    # Both ranks trained all 3 steps, each on its half: the mean of their logged losses is the one process's.
+    logged, ranks = funasr_logged(run.stdout)
+    assert [sorted(found) for found in ranks.values()] == [[0, 1]] * 3, run.stdout
+    assert logged == pytest.approx(funasr_logged(reference)[0], abs=1.5e-3)
+    assert_matches(run.stdout, steps(reference))
+    assert [float(loss) for _, _, loss in validation] == pytest.approx(
+        [float(loss) for _, _, loss in FUNASR_VALIDATION.findall(reference)], **TOLERANCE)
