@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import glob
 import multiprocessing
 import os
+import re
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -14,6 +19,9 @@ import torch.distributed as dist
 WARMUP = 50  # untimed rounds before timing
 
 Call = Callable[[], Any]
+# The libc function callgrind dumps its counts before: a process marks the end of each
+# part it counts with one call of it (os.getppid, which nothing else here calls).
+MARKER = "getppid"
 
 
 def run_ranks(body: Callable[[int], Any], world_size: int = 2, backend: str = "gloo",
@@ -68,3 +76,43 @@ def rotate(sides: Sequence[Call], calls: int, setups: Optional[Sequence[Call]] =
             sides[which]()
             times[which].append(time.perf_counter() - start)
     return [statistics.median(t) for t in times]
+
+
+def marker() -> None:
+    """Mark the end of a counted part of a process run by :func:`instructions_by_part`."""
+    getattr(os, MARKER)()
+
+
+def instructions_by_part(script: str, *args: str, parts: int) -> Optional[List[int]]:
+    """The instructions of each part of ``python script args`` under callgrind (None where valgrind is not
+    installed): the process calls :func:`marker` once before its first part and once after each of ``parts``.
+
+    Every thread is counted (gloo runs collectives on threads of its own). The counts
+    are exact for what ran; an A/A pair of parts shows how much that varies.
+    """
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        return None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONHASHSEED": "0",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory() as workdir:
+        out = os.path.join(workdir, "callgrind.out")
+        subprocess.run([valgrind, "--tool=callgrind", f"--dump-before={MARKER}", f"--callgrind-out-file={out}",
+                        sys.executable, script, *args],
+                       check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3600)
+        # Dump 1 holds what ran up to the first marker, dumps 2.. the parts in order (the rest goes to ``out``).
+        dumps = sorted(glob.glob(out + ".*"), key=lambda path: int(path.rsplit(".", 1)[1]))
+        totals = [_total(path) for path in dumps]
+    if len(totals) != parts + 1:
+        raise RuntimeError(f"callgrind wrote {len(totals)} dumps, expected {parts + 1}")
+    return totals[1:]
+
+
+def _total(path: str) -> int:
+    with open(path) as counts:
+        for line in counts:
+            found = re.match(r"(?:summary|totals):\s+(\d+)", line)
+            if found:
+                return int(found.group(1))
+    raise RuntimeError(f"no instruction total in {path}")

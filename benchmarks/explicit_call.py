@@ -21,13 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import os
-import re
-import shutil
-import subprocess
-import sys
-import tempfile
 from typing import Any, Dict, List
 
 import torch
@@ -35,13 +29,12 @@ import torch.distributed as dist
 
 import comm
 
-from _harness import rotate, run_ranks
+from _harness import instructions_by_part, marker, rotate, run_ranks
 
 CALLS = 20000  # timed calls per side, one rank
 CALLS_TWO_RANKS = 4000
 INSTRUCTION_CALLS = 2000  # calls per side under callgrind
 SIDES = ("torch", "comm", "torch again", "comm again")
-MARKER = "getppid"  # the libc function callgrind dumps its counts before
 
 
 def wall_clock(rank: int, calls: int) -> Dict[str, float]:
@@ -60,7 +53,6 @@ def _count(calls: int) -> None:
     for side in sides.values():  # the first call learns the group; then warm
         for _ in range(50):
             side()
-    marker = getattr(os, MARKER)
     marker()
     for name in SIDES:
         side = sides[name.split()[0]]
@@ -72,31 +64,8 @@ def _count(calls: int) -> None:
 
 def instructions(calls: int) -> Dict[str, float]:
     """Instructions per call of each side (callgrind); empty where valgrind is not installed."""
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        return {}
-    with tempfile.TemporaryDirectory() as workdir:
-        out = os.path.join(workdir, "callgrind.out")
-        env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(
-            [os.path.dirname(os.path.dirname(os.path.abspath(comm.__file__))), os.environ.get("PYTHONPATH", "")])}
-        subprocess.run([valgrind, "--tool=callgrind", f"--dump-before={MARKER}", f"--callgrind-out-file={out}",
-                        sys.executable, os.path.abspath(__file__), "--count", str(calls)],
-                       check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
-        # Dump 1 holds what ran up to the first marker, dumps 2.. the sides in order (the rest goes to ``out``).
-        parts = sorted(glob.glob(out + ".*"), key=lambda path: int(path.rsplit(".", 1)[1]))
-        totals = [_total(path) for path in parts]
-    if len(totals) != len(SIDES) + 1:
-        raise RuntimeError(f"callgrind wrote {len(totals)} dumps, expected {len(SIDES) + 1}")
-    return {name: total / calls for name, total in zip(SIDES, totals[1:])}
-
-
-def _total(path: str) -> int:
-    with open(path) as counts:
-        for line in counts:
-            found = re.match(r"(?:summary|totals):\s+(\d+)", line)
-            if found:
-                return int(found.group(1))
-    raise RuntimeError(f"no instruction total in {path}")
+    totals = instructions_by_part(os.path.abspath(__file__), "--count", str(calls), parts=len(SIDES))
+    return {} if totals is None else {name: total / calls for name, total in zip(SIDES, totals)}
 
 
 def _print_wall(label: str, calls: int, us: Dict[str, float]) -> None:

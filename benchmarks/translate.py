@@ -17,9 +17,11 @@ nothing there (it replaces only the functions that take a device).
 Part 1 runs on the simulated NPU (CUDA becomes npu:0), part 2 on a CPU-only process
 (CUDA becomes the CPU), each in a fresh process. Part 3 times a whole training step of
 ``examples/cuda_trainer.py`` (DDP on one CPU rank, so no rank waits for another), translated against the same step with
-the translation removed.
+the translation removed; then callgrind counts its instructions (each side's steps
+between marker calls in one process, the A/A control beside them), exact where the
+wall clock of a shared machine cannot resolve 1 %.
 
-    python benchmarks/translate.py [--calls N]
+    python benchmarks/translate.py [--calls N] [--step-instructions STEPS]
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from _harness import Call, rotate, run_ranks
+from _harness import Call, instructions_by_part, marker, rotate, run_ranks
 
 CALLS = 10000
+STEP_INSTRUCTIONS = 200  # training steps per side counted by callgrind
 # The training step's sides rotate in blocks of this many counted steps, after this many uncounted.
 _BLOCK, _SETTLE = 100, 50
 NPU = {"name": "npu", "backend": "hccl"}
@@ -123,22 +127,11 @@ def mode_cost(rank: int, calls: int) -> Dict[str, float]:
     return dict(zip(names, (m * 1e6 for m in medians)))
 
 
-def training_step(rank: int, calls: int) -> Dict[str, float]:
-    """A step of examples/cuda_trainer.py (DDP on one gloo rank): as written and translated, against the step
-    naming the CPU.
-
-    The translated side runs the trainer's step lines (``.cuda(local_rank)``,
-    ``.to(torch.device("cuda", local_rank))``) with the translation installed, as
-    ``python -m comm`` runs them; the other sides run them naming the CPU with the
-    translation removed, as ``--no-devices`` leaves torch (the last is the A/A control).
-    Installing or removing the translation rewrites attributes of torch's classes, which
-    empties Python's attribute caches for them; so the sides rotate in blocks of steps,
-    and the first steps after each switch are not counted.
-    """
+def _trainer_steps() -> Tuple[Call, Call]:
+    """A step of examples/cuda_trainer.py (DDP on this process's one-rank gloo group), two ways: as written
+    (``.cuda(local_rank)``, ``.to(torch.device("cuda", local_rank))``), and naming the CPU."""
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from comm import translate
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     import cuda_trainer
@@ -163,8 +156,32 @@ def training_step(rank: int, calls: int) -> Dict[str, float]:
     def naming_the_cpu() -> None:
         step(lambda x: x.to("cpu", non_blocking=True), torch.device("cpu"))
 
-    sides = [(translate.install, as_written), (translate.uninstall, naming_the_cpu),
-             (translate.uninstall, naming_the_cpu)]
+    return as_written, naming_the_cpu
+
+
+def _step_sides() -> List[Tuple[Call, Call]]:
+    """(prepare, step) of each side: as written under the translation, then naming the CPU without it (twice,
+    the second the A/A control)."""
+    from comm import translate
+
+    as_written, naming_the_cpu = _trainer_steps()
+    return [(translate.install, as_written), (translate.uninstall, naming_the_cpu),
+            (translate.uninstall, naming_the_cpu)]
+
+
+def training_step(rank: int, calls: int) -> Dict[str, float]:
+    """The trainer's step translated, against the step naming the CPU.
+
+    The translated side runs the step as written with the translation installed, as
+    ``python -m comm`` runs it; the other sides run the step naming the CPU with the
+    translation removed, as ``--no-devices`` leaves torch (the last is the A/A control).
+    Installing or removing the translation rewrites attributes of torch's classes, which
+    empties Python's attribute caches for them; so the sides rotate in blocks of steps,
+    and the first steps after each switch are not counted.
+    """
+    from comm import translate
+
+    sides = _step_sides()
     times: List[List[float]] = [[] for _ in sides]
     for round_ in range(max(calls // _BLOCK, 1)):
         for offset in range(len(sides)):
@@ -182,6 +199,36 @@ def training_step(rank: int, calls: int) -> Dict[str, float]:
             "ratio": medians[0] / medians[1], "A/A": medians[2] / medians[1]}
 
 
+def _count_steps(steps: int) -> None:
+    """The process callgrind counts: each side's ``steps`` steps, after ``_SETTLE`` uncounted, between markers."""
+    from comm import translate
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    for prepare, side in _step_sides():
+        prepare()
+        for _ in range(_SETTLE):
+            side()
+        marker()
+        for _ in range(steps):
+            side()
+        marker()
+    translate.uninstall()
+    dist.destroy_process_group()
+
+
+def step_instructions(steps: int) -> Optional[Dict[str, float]]:
+    """Instructions per step of each side (callgrind; None where valgrind is not installed).
+
+    The parts after the first marker: the first side's counted steps, the next side's
+    switch and settling steps, its counted steps, and so on.
+    """
+    totals = instructions_by_part(str(Path(__file__).resolve()), "--count-steps", str(steps), parts=5)
+    if totals is None:
+        return None
+    translated, cpu, again = (totals[i] / steps for i in (0, 2, 4))
+    return {"under -m comm": translated, "--no-devices": cpu, "ratio": translated / cpu, "A/A": again / cpu}
+
+
 def _print(title: str, rows: List[Dict[str, Any]]) -> None:
     print(f"\n{title}")
     print(f"{'call':<26} {'torch us':>9} {'translated us':>14} {'ratio':>6} {'right device':>13} {'wrapper':>8} "
@@ -194,7 +241,13 @@ def _print(title: str, rows: List[Dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=CALLS, help="timed calls per side")
+    parser.add_argument("--step-instructions", type=int, default=STEP_INSTRUCTIONS, metavar="STEPS",
+                        help="steps per side counted by callgrind (0: none)")
+    parser.add_argument("--count-steps", type=int, help=argparse.SUPPRESS)  # the process callgrind runs
     args = parser.parse_args()
+    if args.count_steps is not None:
+        _count_steps(args.count_steps)
+        return
     print(f"torch {torch.__version__}; medians of single calls in rotating order; ratio = translated / torch, "
           "A/A = torch again / torch")
     body = functools.partial(measure, calls=args.calls)
@@ -208,6 +261,11 @@ def main() -> None:
     trained = run_ranks(functools.partial(training_step, calls=steps), world_size=1)
     print(f"\nA step of examples/cuda_trainer.py, DDP on one gloo rank, CPU-only, {steps} steps per side: "
           + ", ".join(f"{name} {value:.3f}" for name, value in trained.items()))
+    if args.step_instructions:
+        counted = step_instructions(args.step_instructions)
+        shown = "skipped, valgrind is not installed" if counted is None else ", ".join(
+            f"{name} {value:,.0f}" if value > 10 else f"{name} {value:.4f}" for name, value in counted.items())
+        print(f"The same step, instructions (callgrind, {args.step_instructions} steps per side): {shown}")
 
 
 if __name__ == "__main__":
