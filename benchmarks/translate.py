@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from _harness import Call, instructions_by_part, marker, rotate, run_ranks
 
 CALLS = 10000
-STEP_INSTRUCTIONS = 200  # training steps per side counted by callgrind
+STEP_INSTRUCTIONS = 100  # training steps per side counted by callgrind
 # The training step's sides rotate in blocks of this many counted steps, after this many uncounted.
 _BLOCK, _SETTLE = 100, 50
 NPU = {"name": "npu", "backend": "hccl"}
