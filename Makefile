@@ -62,10 +62,23 @@ $(CLIENTS_VENV)/.installed: setup.cfg pyproject.toml constraints.txt tests/clien
 		--requirement tests/clients/requirements.txt
 	touch $@
 
-# Each framework unchanged on two simulated NPUs: plainly, under -m comm, against a reference (tests/clients).
-test-clients: $(CLIENTS_VENV)/.installed
+# LLaMA-Factory (issue 34) in a venv of its own: each of its releases caps transformers and Accelerate below
+# the pins above (tests/clients/llamafactory-requirements.txt says which release and why).
+LLAMAFACTORY_VENV := .venv-llamafactory
+LLAMAFACTORY_PY := $(LLAMAFACTORY_VENV)/bin/python
+
+$(LLAMAFACTORY_VENV)/.installed: setup.cfg pyproject.toml constraints.txt tests/clients/llamafactory-requirements.txt
+	$(PYTHON) -m venv $(LLAMAFACTORY_VENV)
+	$(LLAMAFACTORY_PY) -m pip install --quiet --no-compile --constraint constraints.txt --editable '.[test]' \
+		--requirement tests/clients/llamafactory-requirements.txt
+	touch $@
+
+# Each framework unchanged on two simulated NPUs: plainly, under -m comm, against a reference (tests/clients);
+# LLaMA-Factory's tests in its venv.
+test-clients: $(CLIENTS_VENV)/.installed $(LLAMAFACTORY_VENV)/.installed
 	$(CLIENTS_PY) -m comm.build --simulated
-	$(CLIENTS_PY) -m pytest -p no:xdist -q tests/clients
+	$(CLIENTS_PY) -m pytest -p no:xdist -q tests/clients -k "not llamafactory"
+	$(LLAMAFACTORY_PY) -m pytest -p no:xdist -q tests/clients -k llamafactory
 
 # Real launchers (issue 36): mpirun (OpenMPI), mpiexec (MPICH), srun and sbatch on a two-node Slurm cluster that
 # tests/launchers starts in a folder of its own, torchrun agents; installs the packages once as root (else skips,
@@ -125,4 +138,4 @@ test-wheel: wheel
 		$(PY) -m pytest -p no:xdist -p no:cacheprovider -q tests/prebuilt
 
 clean:
-	rm -rf .venv .venv-torch* $(CLIENTS_VENV) *.egg-info .pytest_cache build dist
+	rm -rf .venv .venv-torch* $(CLIENTS_VENV) $(LLAMAFACTORY_VENV) *.egg-info .pytest_cache build dist

@@ -325,7 +325,30 @@ def _what_frameworks_read(rank, world_size):
     seen["classes"] = (isinstance(stream, torch.npu.Stream), isinstance(torch.npu.Event(), torch.npu.Event),
                        torch.npu.Stream | None is not None)
     seen["attention"] = _fusion_attention_against_sdpa(torch_npu.npu_fusion_attention)
+    seen["rotary"] = _rotary_mul_against_complex_rotation(torch_npu.npu_rotary_mul)
+    seen["set_compile_mode"] = torch.npu.set_compile_mode(jit_compile=False)  # LLaMA-Factory's parser calls it
     return seen
+
+
+def _rotary_mul_against_complex_rotation(rotary_mul):
+    """The largest difference per mode from rotating each pair of features as a complex number by its angle."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 8, device="npu")
+    angle = torch.randn(1, 1, 5, 4, device="npu")
+    found = {}
+    pairs = {"half": lambda t: (t[..., :4], t[..., 4:]), "interleave": lambda t: (t[..., ::2], t[..., 1::2])}
+    for mode, pair in pairs.items():
+        real, imaginary = pair(x)
+        rotated = torch.complex(real, imaginary) * torch.polar(torch.ones_like(angle), angle)
+        halves = (angle.cos(), angle.sin())
+        if mode == "half":
+            r1, r2 = (torch.cat((h, h), dim=-1) for h in halves)
+            expected = torch.cat((rotated.real, rotated.imag), dim=-1)
+        else:
+            r1, r2 = (h.repeat_interleave(2, dim=-1) for h in halves)
+            expected = torch.stack((rotated.real, rotated.imag), dim=-1).flatten(-2)
+        found[mode] = (rotary_mul(x, r1, r2, rotary_mode=mode) - expected).abs().max().item()
+    return found
 
 
 def _fusion_attention_against_sdpa(fused):
@@ -357,6 +380,8 @@ def test_what_frameworks_read_from_torch_npu_before_any_collective():
     assert seen["files"] == (True, True)
     assert seen["classes"] == (True, True, True)
     assert all(difference < 1e-5 for difference in seen["attention"].values()), seen["attention"]
+    assert set(seen["rotary"]) == {"half", "interleave"} and max(seen["rotary"].values()) < 1e-5, seen["rotary"]
+    assert seen["set_compile_mode"] is None
 
 
 def _dtensor_random(rank, world_size):

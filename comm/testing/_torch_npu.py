@@ -5,9 +5,9 @@ Code that detects Ascend by importing ``torch_npu`` (Accelerate, transformers:
 ``torch.npu.is_available()``) sees the simulated NPU as an Ascend machine. It is
 installed only where no real ``torch_npu`` can be imported, and it carries a real
 module spec (``find_spec`` returns it, as for any imported module), a ``__file__``
-(DeepSpeed's op builders look beside it), ``npu_fusion_attention`` (transformers'
-attention on Ascend) and, as CANN's ``set_env.sh`` does, ``ASCEND_HOME_PATH``
-(DeepSpeed reads it).
+(DeepSpeed's op builders look beside it), ``npu_fusion_attention`` and
+``npu_rotary_mul`` (transformers imports both where torch_npu is present) and, as
+CANN's ``set_env.sh`` does, ``ASCEND_HOME_PATH`` (DeepSpeed reads it).
 
 :func:`apply_patches` (opt-in) also replaces in torch what real torch_npu replaces
 at import, as it does: its own objects where torch's were, not wrappers of whatever
@@ -46,6 +46,7 @@ def install() -> bool:
     module.__version__ = torch.__version__  # type: ignore[attr-defined]  # torch_npu's version follows torch's
     module.npu = torch.npu  # type: ignore[attr-defined]
     module.npu_fusion_attention = npu_fusion_attention  # type: ignore[attr-defined]
+    module.npu_rotary_mul = npu_rotary_mul  # type: ignore[attr-defined]
     module.__comm_simulated__ = True  # type: ignore[attr-defined]
     sys.modules["torch_npu"] = module
     sys.modules["torch_npu.npu"] = torch.npu  # type: ignore[attr-defined]
@@ -139,6 +140,25 @@ def _patches() -> List[Tuple[Any, str, Any]]:
 
 # npu_fusion_attention's layouts: where batch (B), heads (N), sequence (S) and head size (D) lie.
 _LAYOUTS = ("BSND", "BNSD", "BSH", "SBH")
+
+
+def npu_rotary_mul(input: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,  # noqa: A002 - torch_npu's name
+                   rotary_mode: str = "half") -> torch.Tensor:
+    """torch_npu's fused rotary position embedding, in plain operators: ``input * r1 + rotate(input) * r2``.
+
+    As Ascend's op-plugin documents it (docs/context/torch_npu-npu_rotary_mul.md):
+    ``half`` rotates the two halves of the last dimension (``cat(-x2, x1)``),
+    ``interleave`` its even and odd elements; other modes are refused.
+    """
+    if rotary_mode == "half":
+        first, second = torch.chunk(input, 2, dim=-1)
+        rotated = torch.cat((-second, first), dim=-1)
+    elif rotary_mode == "interleave":
+        rotated = torch.stack((-input[..., 1::2], input[..., ::2]), dim=-1).flatten(-2)
+    else:
+        raise NotImplementedError(f"the simulated npu_rotary_mul takes rotary_mode 'half' or 'interleave', "
+                                  f"got {rotary_mode!r}")
+    return input * r1 + rotated * r2
 
 
 def npu_fusion_attention(

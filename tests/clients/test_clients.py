@@ -15,8 +15,8 @@ Megatron-core's DDP also runs on a CPU-only machine under ``-m comm`` (gloo), wi
 simulation. A case that fails for a known comm bug is ``xfail(strict=True)`` naming
 it, so that the tier stays green and says so when the fix lands.
 
-Run by ``make test-clients`` (its own venv, tests/clients/requirements.txt), not by
-``make test``.
+Run by ``make test-clients`` (its own venv, tests/clients/requirements.txt; LLaMA-Factory's
+tests in another, tests/clients/llamafactory-requirements.txt), not by ``make test``.
 """
 
 import functools
@@ -363,3 +363,42 @@ def test_funasr_trains_under_comm_as_in_its_one_process_cpu_run():
     assert_matches(run.stdout, steps(reference))
     assert [float(loss) for _, _, loss in validation] == pytest.approx(
         [float(loss) for _, _, loss in FUNASR_VALIDATION.findall(reference)], **TOLERANCE)
+
+
+# LLaMA-Factory 0.9.3's SFT (``run_exp``, full fine-tuning, FSDP2 with CPU offload), in .venv-llamafactory:
+# every LLaMA-Factory release caps transformers and Accelerate below .venv-clients' pins, and 0.9.4 and 0.9.5
+# import torchaudio, which no wheel here loads on torch 2.13.0 CPU (tests/clients/llamafactory-requirements.txt).
+# The reference is its own run on a CPU-only machine, where Accelerate 1.7 shards nothing (it applies FSDP on
+# accelerators only): replicated over gloo, the same gradients averaged over the ranks. Trainer 4.52 logs the
+# loss rounded to 4 decimals (the gradient norm in full).
+
+needs_llamafactory = pytest.mark.skipif(importlib.util.find_spec("llamafactory") is None,
+                                        reason="LLaMA-Factory runs in .venv-llamafactory (make test-clients)")
+# transformers 4.52 imports torch_npu.npu_rotary_mul where torch_npu is available, and LLaMA-Factory calls
+# torch.npu.set_compile_mode: the simulated NPU's stand-in torch_npu has both (it lacked them until this test).
+
+
+@needs_llamafactory
+def test_llamafactory_sft_trains_on_a_cpu_only_machine():
+    run = reference_run("llamafactory_sft.py")
+    assert_ran_on(run.stdout, "cpu (not sharded, parameters on cpu)")
+    assert len(steps(run.stdout)[0]) == 3
+
+
+@needs_llamafactory
+def test_llamafactory_sft_fails_plainly_on_the_simulated_npu():
+    """LLaMA-Factory runs on Ascend's hccl group; Trainer's clip of the CPU-offloaded FSDP2 gradients fails."""
+    run = torchrun("llamafactory_sft.py", mode="plain")
+    assert_fails_with(run, SEED_ERROR)
+    assert "rank 0: step" not in run.stdout, run.stdout
+
+
+@needs_llamafactory
+def test_llamafactory_sft_under_comm_matches_its_cpu_run():
+    run = torchrun("llamafactory_sft.py", mode="comm")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_ran_on(run.stdout, "npu (fsdp2, parameters on cpu)")
+    reference = steps(reference_run("llamafactory_sft.py").stdout)
+    losses, norms = steps(run.stdout)
+    assert len(losses) == 3
+    assert (losses, norms) == (pytest.approx(reference[0], **TOLERANCE), pytest.approx(reference[1], **TOLERANCE))
