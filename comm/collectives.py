@@ -144,7 +144,7 @@ TORCH: Dict[str, Callable[..., Any]] = _TorchFunctions(
     {name: getattr(dist, name, None) or getattr(dist, _OLDER_NAMES.get(name, name)) for name in COLLECTIVES})
 
 # Per call and group, the facts that let a call skip comm's checks, learnt at the first
-# call of each name on each group: the group is ready (equipped, so c10d routes every
+# call of each name on each group: the group is equipped (so c10d routes every
 # device), and no gap of the call applies there (SERVED), or none when the call passes
 # the gap's sparing value (SPARED: ReduceOp.SUM where the group's backend lacks AVG).
 # Keyed by id(group) beside a weak reference whose callback removes the entry when the
@@ -299,7 +299,7 @@ def _general(name: str, **kwargs: Any) -> Any:
     collective = COLLECTIVES[name]
     args: Tuple[Any, ...] = ()
     group = fallback.group_of(name, torch_call, args, kwargs)
-    if slot.ready(group) and not (collective.mixes and fallback.mixes_devices(args, kwargs)):
+    if slot.equipped_once(group) and not (collective.mixes and fallback.mixes_devices(args, kwargs)):
         _learn(name, group, gap)
         return torch_call(**kwargs) if gap is None else gap.call(torch_call, args, kwargs)
     call = torch_call if gap is None else functools.partial(_fill, gap, torch_call)
@@ -307,7 +307,7 @@ def _general(name: str, **kwargs: Any) -> Any:
 
 
 def _learn(name: str, group: Any, gap: Optional[gaps.Gap]) -> None:
-    """Record that calls of ``name`` on ``group`` (ready) need no check: always, or when they pass the gap's
+    """Record that calls of ``name`` on ``group`` (equipped) need no check: always, or when they pass the gap's
     sparing value; until the group is collected."""
     pg = _world._default_pg if group is None else group
     if not isinstance(pg, dist.ProcessGroup) or id(pg) in _SERVED[name] or id(pg) in _SPARED[name]:

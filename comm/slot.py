@@ -44,7 +44,7 @@ from comm._native import STAGING
 from comm.device import accelerator_type, bound_device, current_device
 from comm.groups import GroupCache, backend_config, backends_by_device, resolve_group
 
-__all__ = ["adopt_thread", "cached_groups", "communicators", "equip", "existing_groups", "own_types", "ready",
+__all__ = ["adopt_thread", "cached_groups", "communicators", "equip", "equipped_once", "existing_groups", "own_types",
            "staged_types", "staging_device", "target_device", "unavailable_reason"]
 
 # A host tensor's all-reduce of at least twice this many bytes is staged in chunks of
@@ -70,8 +70,8 @@ _TYPE = dist.ProcessGroup.BackendType
 # The slot labels comm can take, in order of preference (see the module docstring).
 _LABELS = (_TYPE.CUSTOM, _TYPE.MPI, _TYPE.UCC)
 _BUILTIN_TYPES = {"gloo": _TYPE.GLOO, "nccl": _TYPE.NCCL, "xccl": _TYPE.XCCL, "ucc": _TYPE.UCC, "mpi": _TYPE.MPI}
-# Per group: whether ready() has equipped it (False: comm's backend cannot be built here).
-_READY = GroupCache()
+# Per group: whether equipped_once() has equipped it (False: comm's backend cannot be built here).
+_EQUIPPED = GroupCache()
 
 
 def unavailable_reason() -> Optional[str]:
@@ -121,8 +121,8 @@ def existing_groups() -> List[dist.ProcessGroup]:
     return [group for group in list(c10d._world.pg_map) if isinstance(group, dist.ProcessGroup)]
 
 
-def ready(group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether torch can take ``group``'s calls as they are: it is equipped (now, if not before).
+def equipped_once(group: Optional[dist.ProcessGroup]) -> bool:
+    """Equip ``group`` the first time it is seen; return whether torch can take its calls as they are.
 
     False only where comm's backend cannot be built here: comm's explicit calls
     then stage in plain Python. True for a rank outside the group and before
@@ -134,22 +134,22 @@ def ready(group: Optional[dist.ProcessGroup]) -> bool:
             return True
     elif not isinstance(group, dist.ProcessGroup):
         return True
-    known: Optional[bool] = _READY.get(group)
+    known: Optional[bool] = _EQUIPPED.get(group)
     if known is None:
         known = unavailable_reason() is None
         if known:
             equip(group)
-        _READY.set(group, known)
+        _EQUIPPED.set(group, known)
     return known
 
 
 def cached_groups() -> int:
-    """How many process groups :func:`ready` remembers, equipped or not.
+    """How many process groups :func:`equipped_once` remembers, equipped or not.
 
     For tests that comm keeps no group alive: once a destroyed group is collected,
     the count drops by one.
     """
-    return len(_READY)
+    return len(_EQUIPPED)
 
 
 def adopt_thread(group: Optional[dist.ProcessGroup] = None) -> None:
