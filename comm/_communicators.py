@@ -23,12 +23,7 @@ import torch.distributed.distributed_c10d as c10d
 from comm._releases import backend_options
 from comm.groups import backend_config, backends_by_device
 
-# torch's private names this module uses, each because no public API does the job
-# (comm/_torch_private.py lists every private name comm uses):
-#   distributed_c10d._world.pg_map: each group's store, which the communicator shares;
-#   ProcessGroup._get_backend: the group's own backend for the target device, whose options are copied;
-#   Backend._plugins and _DistributedBackendOptions: a plugin's creator, to make its
-#     communicator as c10d makes the group's.
+# torch's private names used here, with why: comm/_torch_private.py (the one list).
 
 _LOG = logging.getLogger("comm")
 # Where comm's communicator for other threads meets, under the group's store.

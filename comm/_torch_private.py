@@ -33,6 +33,9 @@ PRIVATE_NAMES: Dict[str, str] = {
         "the arguments a plugin's creator takes, to make a communicator as c10d makes the group's",
     "torch.distributed.Backend._plugins":
         "a plugin backend's creator (hccl, xccl), to make comm's communicator of the group's kind",
+    "torch.distributed.ProcessGroupGloo.Options._timeout":
+        "a backend's timeout, which c10d's Backend.Options (every backend's options extends it) keeps under this "
+        "name only: comm's communicator takes the group's",
     "torch.distributed.distributed_c10d.Work._source_rank":
         "the rank an any-source recv received from, which dist.recv returns",
     # comm's explicit calls (comm/collectives.py) run the body of torch's function where torch

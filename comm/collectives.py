@@ -40,10 +40,7 @@ from torch.distributed.distributed_c10d import _world
 
 from comm import fallback, gaps, slot
 
-# torch's private names this module uses, each because no public API does the job:
-#   distributed_c10d._world._default_pg: the default group, without a Python call;
-#   c10d_logger._exception_logger, _get_msg_dict, _c10d_logger: torch's wrapper of each
-#     collective, whose place comm's function takes, logging a failure as it does.
+# torch's private names used here, with why: comm/_torch_private.py (the one list).
 
 
 def _once(ranks: int) -> float:

@@ -52,16 +52,10 @@ __all__ = ["adopt_thread", "cached_groups", "communicators", "equip", "equipped_
 # a device to measure on: large enough that a chunk's copies run near a link's full speed.
 CHUNK_BYTES = 16 << 20
 
-# torch's private names this module uses, each because no public API does the job
-# (comm/_torch_private.py lists every private name comm uses; tests/test_torch_private.py
-# fails loudly when a release renames one):
-#   ProcessGroup._register_backend, _set_group_name, _device_types, _get_backend: the
-#     per-device slot itself, the name c10d reads from a group's first backend, the
-#     slots filled, and the backend in one;
-#   distributed_c10d._new_process_group_helper: where c10d creates every group
-#     (GROUP_CREATION). comm.patch() wraps whatever function that attribute holds,
-#     also one a plugin assigns later (torch_npu assigns a full copy of its own), as
-#     c10d's callers look it up in the module at each call (tests/test_patch.py).
+# torch's private names used here, with why: comm/_torch_private.py (the one list).
+# GROUP_CREATION is where c10d creates every group. comm.patch() wraps whatever function
+# that attribute holds, also one a plugin assigns later (torch_npu assigns a full copy of
+# its own), as c10d's callers look it up in the module at each call (tests/test_patch.py).
 GROUP_CREATION = ("torch.distributed.distributed_c10d", "_new_process_group_helper")
 
 _LOG = logging.getLogger("comm")

@@ -24,6 +24,8 @@ CLASSES: Dict[str, Any] = {
     "torch.distributed.ProcessGroup": dist.ProcessGroup,
     "torch.distributed.Backend": dist.Backend,
     "torch.distributed.distributed_c10d.Work": dist.distributed_c10d.Work,
+    # Every backend's options class extends c10d's Backend.Options, whose members gloo's shows.
+    "torch.distributed.ProcessGroupGloo.Options": dist.ProcessGroupGloo.Options,
 }
 
 
