@@ -62,23 +62,24 @@ $(CLIENTS_VENV)/.installed: setup.cfg pyproject.toml constraints.txt tests/clien
 		--requirement tests/clients/requirements.txt
 	touch $@
 
-# LLaMA-Factory (issue 34) in a venv of its own: each of its releases caps transformers and Accelerate below
-# the pins above (tests/clients/llamafactory-requirements.txt says which release and why).
-LLAMAFACTORY_VENV := .venv-llamafactory
-LLAMAFACTORY_PY := $(LLAMAFACTORY_VENV)/bin/python
+# Frameworks whose pins clash with .venv-clients' run in a venv each, .venv-<name>, installed from
+# tests/clients/<name>-requirements.txt (which says why): LLaMA-Factory and ms-swift cap transformers
+# and Accelerate below the pins above. Their tests are the ones whose names hold <name>.
+OWN_VENV_CLIENTS := llamafactory swift
+comma := ,
 
-$(LLAMAFACTORY_VENV)/.installed: setup.cfg pyproject.toml constraints.txt tests/clients/llamafactory-requirements.txt
-	$(PYTHON) -m venv $(LLAMAFACTORY_VENV)
-	$(LLAMAFACTORY_PY) -m pip install --quiet --no-compile --constraint constraints.txt --editable '.[test]' \
-		--requirement tests/clients/llamafactory-requirements.txt
+.venv-%/.installed: setup.cfg pyproject.toml constraints.txt tests/clients/%-requirements.txt
+	$(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install --quiet --no-compile --constraint constraints.txt --editable '.[test]' \
+		--requirement tests/clients/$*-requirements.txt
 	touch $@
 
-# Each framework unchanged on two simulated NPUs: plainly, under -m comm, against a reference (tests/clients);
-# LLaMA-Factory's tests in its venv.
-test-clients: $(CLIENTS_VENV)/.installed $(LLAMAFACTORY_VENV)/.installed
+# Each framework unchanged on two simulated NPUs: plainly, under -m comm, against a reference (tests/clients),
+# each in its venv.
+test-clients: $(CLIENTS_VENV)/.installed $(OWN_VENV_CLIENTS:%=.venv-%/.installed)
 	$(CLIENTS_PY) -m comm.build --simulated
-	$(CLIENTS_PY) -m pytest -p no:xdist -q tests/clients -k "not llamafactory"
-	$(LLAMAFACTORY_PY) -m pytest -p no:xdist -q tests/clients -k llamafactory
+	$(CLIENTS_PY) -m pytest -p no:xdist -q tests/clients -k "not ($(subst $(comma), or ,$(subst $() ,$(comma),$(strip $(OWN_VENV_CLIENTS)))))"
+	for name in $(OWN_VENV_CLIENTS); do .venv-$$name/bin/python -m pytest -p no:xdist -q tests/clients -k $$name || exit 1; done
 
 # Real launchers (issue 36): mpirun (OpenMPI), mpiexec (MPICH), srun and sbatch on a two-node Slurm cluster that
 # tests/launchers starts in a folder of its own, torchrun agents; installs the packages once as root (else skips,
@@ -138,4 +139,4 @@ test-wheel: wheel
 		$(PY) -m pytest -p no:xdist -p no:cacheprovider -q tests/prebuilt
 
 clean:
-	rm -rf .venv .venv-torch* $(CLIENTS_VENV) $(LLAMAFACTORY_VENV) *.egg-info .pytest_cache build dist
+	rm -rf .venv .venv-torch* $(CLIENTS_VENV) $(OWN_VENV_CLIENTS:%=.venv-%) *.egg-info .pytest_cache build dist

@@ -13,60 +13,25 @@ version). Every rank prints each logged step's loss and gradient norm and the de
 
 import json
 import os
-import string
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from llamafactory.train.tuner import run_exp
-from tokenizers import Tokenizer, models
-from torch.distributed.fsdp import FSDPModule
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-
-STEPS = 3
-SAMPLES = 16
-WORDS = ["alpha", "beta", "gamma", "delta", "sigma", "omega", "kappa", "lambda", "theta", "zeta"]
+from tiny_sft import STEPS, pairs, report, save_tiny_llama
+from transformers import TrainerCallback
 
 
 class Report(TrainerCallback):
-    """Prints each logged step's loss and gradient norm, one write per line so ranks do not interleave.
-
-    With the device Trainer chose: whether the model is sharded by FSDP2 and where its parameters are."""
+    """Prints each logged step (tiny_sft.report)."""
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
-        if logs and "loss" in logs:
-            rank = int(os.environ.get("RANK", "0"))
-            sharding = "fsdp2" if isinstance(model, FSDPModule) else "not sharded"
-            sys.stdout.write(f"rank {rank}: step {state.global_step} loss {logs['loss']:.8f} "
-                             f"grad_norm {float(logs['grad_norm']):.8f} on {args.device.type} "
-                             f"({sharding}, parameters on {next(model.parameters()).device.type})\n")
-            sys.stdout.flush()
-
-
-def save_tiny_llama(folder: Path) -> None:
-    """A character-level tokenizer (printable ASCII) and a two-layer Llama with seeded weights, saved as from a hub."""
-    vocabulary = {token: index for index, token in enumerate(["<unk>", "</s>", *string.printable])}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocabulary, [], unk_token="<unk>")),
-                                        unk_token="<unk>", eos_token="</s>", pad_token="</s>")
-    tokenizer.save_pretrained(folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         attention_dropout=0.0, eos_token_id=1, pad_token_id=1, bos_token_id=None)
-    # Saved in float16, as checkpoints on a hub are: LLaMA-Factory loads a model in float16 where an
-    # accelerator is available (infer_optim_dtype) and in float32 on a CPU-only machine, then trains a
-    # full fine-tuning in float32; float16 weights are the same either way.
-    LlamaForCausalLM(config).half().save_pretrained(folder)
+        report(args, state, logs, model)
 
 
 def write_dataset(folder: Path) -> None:
     """Alpaca-format pairs from a seeded generator, and the dataset_info.json that names them."""
-    generator = torch.Generator().manual_seed(1234)
-    samples = []
-    for _ in range(SAMPLES):
-        words = [WORDS[i] for i in torch.randint(0, len(WORDS), (5,), generator=generator)]
-        samples.append({"instruction": " ".join(words[:3]), "input": "", "output": " ".join(words[2:])})
+    samples = [{"instruction": question, "input": "", "output": answer} for question, answer in pairs()]
     (folder / "tiny.json").write_text(json.dumps(samples))
     (folder / "dataset_info.json").write_text(json.dumps({"tiny": {"file_name": "tiny.json"}}))
 
@@ -92,7 +57,10 @@ def main() -> None:
     os.environ.setdefault("FSDP_VERSION", "2")
     with tempfile.TemporaryDirectory() as name:
         folder = Path(name)
-        save_tiny_llama(folder / "model")
+        # Saved in float16, as checkpoints on a hub are: LLaMA-Factory loads a model in float16 where an
+        # accelerator is available (infer_optim_dtype) and in float32 on a CPU-only machine, then trains a
+        # full fine-tuning in float32; float16 weights are the same either way.
+        save_tiny_llama(folder / "model", torch.float16)
         (folder / "data").mkdir()
         write_dataset(folder / "data")
         run_exp(arguments(folder), callbacks=[Report()])

@@ -16,7 +16,8 @@ simulation. A case that fails for a known comm bug is ``xfail(strict=True)`` nam
 it, so that the tier stays green and says so when the fix lands.
 
 Run by ``make test-clients`` (its own venv, tests/clients/requirements.txt; LLaMA-Factory's
-tests in another, tests/clients/llamafactory-requirements.txt), not by ``make test``.
+tests in another, tests/clients/llamafactory-requirements.txt, and ms-swift's in a third,
+tests/clients/swift-requirements.txt), not by ``make test``.
 """
 
 import functools
@@ -365,40 +366,55 @@ def test_funasr_trains_under_comm_as_in_its_one_process_cpu_run():
         [float(loss) for _, _, loss in FUNASR_VALIDATION.findall(reference)], **TOLERANCE)
 
 
-# LLaMA-Factory 0.9.3's SFT (``run_exp``, full fine-tuning, FSDP2 with CPU offload), in .venv-llamafactory:
-# every LLaMA-Factory release caps transformers and Accelerate below .venv-clients' pins, and 0.9.4 and 0.9.5
-# import torchaudio, which no wheel here loads on torch 2.13.0 CPU (tests/clients/llamafactory-requirements.txt).
-# The reference is its own run on a CPU-only machine, where Accelerate 1.7 shards nothing (it applies FSDP on
-# accelerators only): replicated over gloo, the same gradients averaged over the ranks. Trainer 4.52 logs the
-# loss rounded to 4 decimals (the gradient norm in full).
+# Supervised fine-tuning stacks Ascend users train with, each in a venv of its own (make test-clients;
+# tests/clients/<name>-requirements.txt says why): full fine-tuning of a tiny Llama, FSDP2 with CPU offload,
+# clipping (tests/clients/tiny_sft.py). The reference is each one's own run on a CPU-only machine, where
+# Accelerate shards nothing (it applies FSDP on accelerators only): replicated over gloo, the same gradients
+# averaged over the ranks.
+#
+# * LLaMA-Factory 0.9.3 (``run_exp``): every release caps transformers and Accelerate below .venv-clients'
+#   pins; 0.9.4 and 0.9.5 import torchaudio, which no wheel here loads on torch 2.13.0 CPU. transformers 4.52
+#   imports torch_npu.npu_rotary_mul and LLaMA-Factory calls torch.npu.set_compile_mode: the simulated NPU's
+#   stand-in torch_npu has both. Trainer 4.52 logs the loss rounded to 4 decimals (the gradient norm in full).
+# * ms-swift 4.4.2 (``sft_main``, what ``swift sft`` runs, FSDP2 from a ``--fsdp`` JSON file): the newest
+#   before ms-swift staged the clip of CPU-offloaded FSDP2 gradients by hand (PR #9844, in 4.5.0). It wraps
+#   ``Accelerator.clip_grad_norm_`` (swift/trainers/mixin.py); in 4.4.2 the wrapper calls Accelerate's, which
+#   fails on Ascend's hccl group.
 
-needs_llamafactory = pytest.mark.skipif(importlib.util.find_spec("llamafactory") is None,
-                                        reason="LLaMA-Factory runs in .venv-llamafactory (make test-clients)")
-# transformers 4.52 imports torch_npu.npu_rotary_mul where torch_npu is available, and LLaMA-Factory calls
-# torch.npu.set_compile_mode: the simulated NPU's stand-in torch_npu has both (it lacked them until this test).
+# name -> (script, a frame the plain run's traceback shows, or None)
+SFT_CLIENTS = {
+    "llamafactory": ("llamafactory_sft.py", None),
+    "swift": ("swift_sft.py", r"swift/trainers/mixin\.py\", line \d+, in clip_grad_norm_"),
+}
+SFT = [pytest.param(name, id=name, marks=pytest.mark.skipif(
+    importlib.util.find_spec(name) is None, reason=f"{name} runs in .venv-{name} (make test-clients)"))
+    for name in SFT_CLIENTS]
 
 
-@needs_llamafactory
-def test_llamafactory_sft_trains_on_a_cpu_only_machine():
-    run = reference_run("llamafactory_sft.py")
+@pytest.mark.parametrize("name", SFT)
+def test_sft_trains_on_a_cpu_only_machine(name):
+    run = reference_run(SFT_CLIENTS[name][0])
     assert_ran_on(run.stdout, "cpu (not sharded, parameters on cpu)")
     assert len(steps(run.stdout)[0]) == 3
 
 
-@needs_llamafactory
-def test_llamafactory_sft_fails_plainly_on_the_simulated_npu():
-    """LLaMA-Factory runs on Ascend's hccl group; Trainer's clip of the CPU-offloaded FSDP2 gradients fails."""
-    run = torchrun("llamafactory_sft.py", mode="plain")
+@pytest.mark.parametrize("name", SFT)
+def test_sft_fails_plainly_on_the_simulated_npu(name):
+    """It runs on Ascend's hccl group; Trainer's clip of the CPU-offloaded FSDP2 gradients fails."""
+    script, frame = SFT_CLIENTS[name]
+    run = torchrun(script, mode="plain")
     assert_fails_with(run, SEED_ERROR)
+    assert frame is None or re.search(frame, run.stderr), run.stderr[-3000:]
     assert "rank 0: step" not in run.stdout, run.stdout
 
 
-@needs_llamafactory
-def test_llamafactory_sft_under_comm_matches_its_cpu_run():
-    run = torchrun("llamafactory_sft.py", mode="comm")
+@pytest.mark.parametrize("name", SFT)
+def test_sft_under_comm_matches_its_cpu_run(name):
+    script = SFT_CLIENTS[name][0]
+    run = torchrun(script, mode="comm")
     assert run.returncode == 0, run.stderr[-3000:]
     assert_ran_on(run.stdout, "npu (fsdp2, parameters on cpu)")
-    reference = steps(reference_run("llamafactory_sft.py").stdout)
+    reference = steps(reference_run(script).stdout)
     losses, norms = steps(run.stdout)
     assert len(losses) == 3
     assert (losses, norms) == (pytest.approx(reference[0], **TOLERANCE), pytest.approx(reference[1], **TOLERANCE))
