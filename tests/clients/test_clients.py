@@ -60,8 +60,15 @@ def torchrun(script, *args, mode, **env):
 
 @functools.lru_cache(maxsize=None)
 def reference_run(script, *args):
-    """The framework's own run of ``script`` on a CPU-only machine, without comm (run once per session)."""
+    """The framework's own run of ``script`` on a CPU-only machine, without comm (run once per session).
+
+    Plain torch sometimes aborts a rank at exit, after the run ended, with
+    ``terminate called without an active exception`` (a thread of gloo's still alive as
+    the process ends; seen once with Lightning): the oracle run is then made again, once.
+    """
     run = torchrun(script, *args, mode="reference")
+    if run.returncode != 0 and "terminate called without an active exception" in run.stderr:
+        run = torchrun(script, *args, mode="reference")
     assert run.returncode == 0, run.stderr
     return run
 
