@@ -56,6 +56,7 @@ class Extension:
         self.switch = switch  # an environment variable that turns the extension off when "0"
         self._lock = threading.Lock()
         self._module: Optional[ModuleType] = None
+        self._digest: Optional[str] = None  # of the sources, read once: the wheel's manifest and the cache ask it
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this process cannot build or load the extension, or None when it can."""
@@ -152,10 +153,12 @@ class Extension:
         return module
 
     def _sources_digest(self) -> str:
-        digest = hashlib.sha256()
-        for path in [self.csrc / source for source in self.sources] + list(self.headers):
-            digest.update(path.read_bytes())
-        return digest.hexdigest()[:16]
+        if self._digest is None:
+            digest = hashlib.sha256()
+            for path in [self.csrc / source for source in self.sources] + list(self.headers):
+                digest.update(path.read_bytes())
+            self._digest = digest.hexdigest()[:16]
+        return self._digest
 
     def _fingerprint(self) -> str:
         """The cache's name for a build: these sources, this torch, this Python, this machine."""
@@ -170,7 +173,10 @@ class Extension:
         """
         self.load()
         prebuilt = self.prebuilt()
-        library, module = prebuilt if prebuilt is not None else (self._build_paths()[1], self._build_paths()[1].stem)
+        if prebuilt is None:
+            library = self._build_paths()[1]
+            prebuilt = (library, library.stem)
+        library, module = prebuilt
         shutil.copyfile(library, folder / f"{self.name}.so")
         return {"sources": self._sources_digest(), "torch": torch.__version__, "module": module}
 
