@@ -4,7 +4,7 @@ How this process was launched (:mod:`comm.launch`), device binding
 (:mod:`comm.device`), backend resolution (:mod:`comm.backend`), staging where
 torch routes by device (:mod:`comm.slot`, with its C++ backend in ``comm/csrc``,
 built by :mod:`comm._native`), the explicit collectives (:mod:`comm.collectives`,
-with what they add in :mod:`comm.gaps` and :mod:`comm.fallback`), gradient norms
+with what they add in :mod:`comm.gaps` and :mod:`comm.python_staging`), gradient norms
 (:mod:`comm.norm`), staging figures (:mod:`comm.observability`), the profiler
 (:mod:`comm.profiler`) and the drop-in mode (:mod:`comm.patch`), which also runs CUDA-only
 calls on this process's accelerator (:mod:`comm.translate`).

@@ -6,10 +6,11 @@ torch's own function once the group is equipped with comm's staging backend
 What they add to torch's: the group is equipped at its first call, so code that
 created it without comm still stages; ``ReduceOp.AVG`` runs as SUM then divide
 where the group's backend lacks it (:mod:`comm.gaps`); ``all_gather`` takes
-pieces of unequal sizes on every backend; and where the staging backend cannot
-be built, they stage in plain Python (:mod:`comm.fallback`), as they do a call whose
-tensors lie on different devices (an NPU input gathered into CPU outputs), which
-c10d hands whole to the backend of the input's device.
+pieces of unequal sizes on every backend. A call whose tensors lie on different
+devices (an NPU input gathered into CPU outputs) is staged by comm's C++ kernel in
+front of c10d's, as torch's own call is (comm/csrc/mixed_devices.cpp). Where the
+staging backend cannot be built, comm's calls stage in plain Python
+(:mod:`comm.python_staging`).
 
 :data:`COLLECTIVES` describes each call once: the arguments it reads and those it
 writes, and what :func:`comm.profile` counts of it (its message, as nccl-tests
@@ -20,9 +21,8 @@ What a call costs over torch's own: each function is written at import from its 
 of the table and torch's signature (no per-call binding). A call on a group whose
 facts it has learnt (the group is equipped, and no gap of the call can apply there:
 :data:`_SERVED`, :data:`_SPARED`, learnt at the first call of each name on each group)
-is one identity test or dict read and torch's function; a call whose tensors could
-lie on different devices adds one device comparison. Every other call takes
-:func:`_general`, which checks everything as before.
+is one identity test or dict read and torch's function, whatever its tensors. Every
+other call takes :func:`_general`, which checks everything.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 
-from comm import fallback, gaps, slot
+from comm import gaps, python_staging, slot
 
 # torch's private names used here, with why: comm/_torch_private.py (the one list).
 
@@ -79,11 +79,6 @@ class Collective(NamedTuple):
     message_per_rank: bool = False
     bus_factor: Callable[[int], float] = _once
     always_async: bool = False
-
-    @property
-    def mixes(self) -> bool:
-        """Whether its tensors come in more than one argument, so that they may lie on different devices."""
-        return len({*self.reads, *self.writes}) > 1
 
 
 COLLECTIVES: Dict[str, Collective] = {
@@ -174,9 +169,9 @@ except (ImportError, AttributeError):  # a torch whose functions are wrapped oth
 
 # The source of each of comm's calls, written from its row of COLLECTIVES and torch's
 # signature. A call on a group whose facts are learnt (one identity test for the
-# default group, one dict read for another; a device comparison where the call's
-# tensors could lie on different devices) runs torch's function as it is; any other
-# goes to _general, which checks everything. Where torch's function is its body
+# default group, one dict read for another) runs torch's function as it is, whatever
+# devices its tensors lie on (comm's C++ stages what mixes them); any other goes to
+# _general, which checks everything. Where torch's function is its body
 # wrapped in torch's exception logger (c10d_logger._exception_logger), comm's function
 # takes that wrapper's place: it runs the body and logs a failure as the wrapper does,
 # so that a call through comm has as many Python frames as torch's own (c10d records
@@ -191,21 +186,21 @@ def _source(name: str, parameters: List[inspect.Parameter]) -> str:
     lines = [f"def {name}({signature}):",
              "    if compiling():  # torch's call, which dynamo knows, and no check in the graph",
              f"        return given(torch_function, defaults, {', '.join(f'{n}={n}' for n in names)})"]
-    if "group" in names:
-        collective = COLLECTIVES[name]
-        tensors = list(dict.fromkeys((*collective.reads, *collective.writes)))
-        # Plain tensors on one device cannot mix devices; lists of them take the general path.
-        same = "".join(f" and type({t}) is Tensor" for t in tensors) + "".join(
-            f" and {t}.device == {tensors[0]}.device" for t in tensors[1:]) if collective.mixes else ""
+    if "group" in names or name == "batch_isend_irecv":
         gap = gaps.GAPS.get(name)
         spare = f"{gap.spared_by[0]} is spare" if gap is not None and gap.spared_by is not None else ""
+        if "group" not in names:  # batch_isend_irecv: the group of its first operation, as torch reads it
+            lines += ["    try:",
+                      "        group = p2p_op_list[0].group",
+                      "    except (IndexError, TypeError, AttributeError):  # torch's call says what is wrong",
+                      f"        return general({', '.join(f'{n}={n}' for n in names)})"]
         lines += [
             "    if group is None:  # the default group: learnt once, an identity test",
             "        fast = world._default_pg is served_default()" + (
                 f" or ({spare} and world._default_pg is spared_default())" if spare else ""),
             "    else:",
             "        fast = id(group) in served" + (f" or ({spare} and id(group) in spared)" if spare else ""),
-            f"    if fast{same}:",
+            "    if fast:",
             "        try:",
             f"            return target({positional})",
             "        except Exception as error:",
@@ -293,14 +288,20 @@ def _general(name: str, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling():
         return torch_call(**kwargs)  # dynamo or export turns it into a functional collective
     gap = gaps.GAPS.get(name)
-    collective = COLLECTIVES[name]
-    args: Tuple[Any, ...] = ()
-    group = fallback.group_of(name, torch_call, args, kwargs)
-    if slot.equipped_once(group) and not (collective.mixes and fallback.mixes_devices(args, kwargs)):
+    group = _group_of(name, kwargs)
+    if slot.equipped_once(group):
         _learn(name, group, gap)
-        return torch_call(**kwargs) if gap is None else gap.call(torch_call, args, kwargs)
+        return torch_call(**kwargs) if gap is None else gap.call(torch_call, (), kwargs)
     call = torch_call if gap is None else functools.partial(_fill, gap, torch_call)
-    return fallback.run(name, collective, torch_call, call, args, kwargs)
+    return python_staging.run(name, COLLECTIVES[name], torch_call, call, kwargs)
+
+
+def _group_of(name: str, kwargs: Dict[str, Any]) -> Any:
+    """The group a call runs on (None for the default group): its ``group``, or its first P2POp's."""
+    if name != "batch_isend_irecv":
+        return kwargs.get("group")
+    ops = kwargs.get("p2p_op_list")
+    return ops[0].group if isinstance(ops, list) and ops and isinstance(ops[0], dist.P2POp) else None
 
 
 def _learn(name: str, group: Any, gap: Optional[gaps.Gap]) -> None:

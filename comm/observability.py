@@ -3,7 +3,7 @@
 comm's staging backend counts, in C++, every call it stages, whatever road it came
 by (torch.distributed's functions, functional collectives, DDP, the coalescing
 manager, comm's own calls): the staged calls, the host-device copies, their bytes
-and the time spent copying. Staging in plain Python (:mod:`comm.fallback`) adds to
+and the time spent copying. Staging in plain Python (:mod:`comm.python_staging`) adds to
 the same figures. Calls on devices the group serves are torch's and not counted.
 """
 

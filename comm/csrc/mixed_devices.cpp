@@ -1,18 +1,22 @@
 // Collectives whose tensors lie on two device types (an output on the accelerator
 // gathered from a CPU input, as Accelerate's gather does; a CPU gather_list for an
-// accelerator tensor). c10d hands such a call to the backend of the device that
-// dispatches first, the accelerator, whose backend (nccl, hccl) serves only its own
-// device and fails on the CPU tensor. On a group comm has equipped, the kernel below
-// copies each tensor of another device type onto the call's accelerator device, runs
-// c10d's own kernel (the group's own backend, as on every other rank, whose tensors
-// may all lie on the accelerator), and writes the copies back into the caller's
-// tensors when the work completes, as comm's staging backend does.
+// accelerator tensor). c10d hands such a call whole to the backend of the device that
+// dispatches first, the accelerator, which may not serve the other device: nccl and
+// hccl fail on the CPU tensor, and on a gloo group comm's staging backend would copy
+// everything to the CPU that the call could have run there. This is comm's one stager
+// for such calls, torch's own and comm's explicit ones alike. On a group comm has
+// equipped, the kernel below picks the device type the group's own backend serves
+// among the call's (the accelerator where both are), copies each tensor of the other
+// type onto the call's device of that type, calls c10d again (which now hands the call
+// to the group's own backend, as on every other rank), and writes the copies back into
+// the caller's tensors when the work completes, as comm's staging backend does: one
+// round trip for each tensor not on that device.
 //
 // c10d's schemas name what each argument is: "input..." is read, "output..." written,
-// "tensors" both (in-place calls). The kernel sits on the accelerator's autograd key,
-// in front of c10d's kernel (c10d's collectives have no autograd kernel of their own);
-// calls on one device type go straight on. Under torch.inference_mode() autograd keys
-// are skipped, so there mixed-device calls fail as without comm.
+// "tensors" both (in-place calls). The kernel sits on the BackendSelect key, which
+// every call passes (under torch.inference_mode() too, where autograd keys are
+// skipped), between autograd and c10d's kernel for the device; calls on one device
+// type go straight on. It is registered once, when comm equips its first group.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
@@ -24,32 +28,44 @@
 namespace comm_native {
 namespace {
 
-bool isEquipped(c10d::ProcessGroup& group) {
-  for (const auto& device : group.getDeviceTypes()) {
-    if (dynamic_cast<StagingBackend*>(group.getBackend(device.type()).get()) != nullptr) return true;
+// The device type the group's own backend serves among `devices` (the accelerator where
+// it serves both), or none: the group is not equipped, or serves none of them.
+std::optional<c10::Device> targetOf(c10d::ProcessGroup& group, const std::vector<c10::Device>& devices) {
+  bool equipped = false;
+  std::optional<c10::Device> target;
+  for (const auto& type : group.getDeviceTypes()) {
+    if (dynamic_cast<StagingBackend*>(group.getBackend(type.type()).get()) != nullptr) {
+      equipped = true;
+      continue;
+    }
+    for (const auto& device : devices) {
+      if (device.type() == type.type() && (!target || target->is_cpu())) target = device;
+    }
   }
-  return false;
+  return equipped ? target : std::nullopt;
 }
 
-// A call's tensors of other device types than `served`, replaced by copies on the
-// call's device of type `served`.
+// The first device of each type among a call's tensors (alone, in lists, or lists of lists).
+void collectDevices(const c10::IValue& value, std::vector<c10::Device>& devices) {
+  if (value.isTensor()) {
+    const auto device = value.toTensor().device();
+    for (const auto& seen : devices) {
+      if (seen.type() == device.type()) return;
+    }
+    devices.push_back(device);
+  } else if (value.isTensorList()) {
+    for (const at::Tensor& tensor : value.toTensorList()) collectDevices(tensor, devices);
+  } else if (value.isList()) {
+    for (const c10::IValue& item : value.toListRef()) collectDevices(item, devices);
+  }
+}
+
+// A call's tensors of other device types than the target's, replaced by copies on the target.
 class Copies {
  public:
-  explicit Copies(c10::DeviceType served) : served_(served) {}
+  explicit Copies(c10::Device target) : target_(target) {}
 
-  // Scans one argument: whether it holds tensors of `served` and of other types.
-  void scan(const c10::IValue& value) {
-    forEachTensor(value, [this](const at::Tensor& tensor) {
-      if (tensor.device().type() == served_) {
-        if (!target_) target_ = tensor.device();
-      } else {
-        foreign_ = true;
-      }
-    });
-  }
-  bool mixed() const { return target_.has_value() && foreign_; }
-
-  // The argument with its foreign tensors replaced; `reads`/`writes`: whether the
+  // The argument with its other tensors replaced; `reads`/`writes`: whether the
   // collective reads the argument's data and whether its results come back.
   c10::IValue replace(const c10::IValue& value, bool reads, bool writes) {
     return mapTensors(value, [&](const at::Tensor& tensor) { return one(tensor, reads, writes); });
@@ -66,7 +82,7 @@ class Copies {
   }
 
   std::shared_ptr<WriteBack> writeBack(const std::string& name) {
-    std::string what = c10::str("comm staged ", name, ": the tensors not on ", target_->str(),
+    std::string what = c10::str("comm staged ", name, ": the tensors not on ", target_.str(),
                                 "; the caller's tensors were not written");
     return std::make_shared<WriteBack>(name, [what = std::move(what)] { return what; }, std::move(pieces_),
                                        std::move(written_), 1);
@@ -89,22 +105,11 @@ class Copies {
     }
     return value;
   }
-  template <typename F>
-  static void forEachTensor(const c10::IValue& value, F&& visit) {
-    if (value.isTensor()) {
-      visit(value.toTensor());
-    } else if (value.isTensorList()) {
-      for (const at::Tensor& tensor : value.toTensorList()) visit(tensor);
-    } else if (value.isList()) {
-      for (const c10::IValue& item : value.toListRef()) forEachTensor(item, visit);
-    }
-  }
   at::Tensor one(const at::Tensor& tensor, bool reads, bool writes) {
-    if (tensor.device().type() == served_) return tensor;
+    if (tensor.device().type() == target_.type()) return tensor;
     at::AutoDispatchBelowADInplaceOrView belowAutograd; // as torch's backends write
     auto start = nowNs();
-    auto staged = reads ? copyOnto(tensor, *target_)
-                        : at::empty_like(tensor, tensor.options().device(*target_));
+    auto staged = reads ? copyOnto(tensor, target_) : at::empty_like(tensor, tensor.options().device(target_));
     if (reads) {
       copied_.nanoseconds += nowNs() - start;
       copied_.transfers += 1;
@@ -124,32 +129,32 @@ class Copies {
     return tensor;
   }
 
-  c10::DeviceType served_;
+  c10::Device target_;
   Tally copied_;
-  std::optional<c10::Device> target_;
-  bool foreign_ = false;
   std::vector<Piece> pieces_;
   Tensors written_;
   std::vector<std::pair<at::Tensor, at::Tensor>> callers_;
 };
 
-template <c10::DeviceType Served>
 void routeByDevices(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto& arguments = schema.arguments();
   auto first = stack->size() - arguments.size();
-  Copies copies(Served);
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::vector<c10::Device> devices;
+  std::optional<size_t> groupAt;
   for (size_t i = 0; i < arguments.size(); ++i) {
-    const auto& value = (*stack)[first + i];
     if (arguments[i].name() == "process_group") {
-      group = value.toCustomClass<c10d::ProcessGroup>();
+      groupAt = i;
     } else {
-      copies.scan(value);
+      collectDevices((*stack)[first + i], devices);
     }
   }
-  auto below = keys & c10::after_autograd_keyset;
-  if (!group || !copies.mixed() || !isEquipped(*group)) return op.redispatchBoxed(below, stack);
+  auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::BackendSelect);
+  if (devices.size() < 2 || !groupAt) return op.redispatchBoxed(below, stack);
+  auto group = (*stack)[first + *groupAt].toCustomClass<c10d::ProcessGroup>();
+  auto target = targetOf(*group, devices);
+  if (!target) return op.redispatchBoxed(below, stack);
+  Copies copies(*target);
   for (size_t i = 0; i < arguments.size(); ++i) {
     const auto& name = arguments[i].name();
     bool output = name.rfind("output", 0) == 0;
@@ -159,7 +164,8 @@ void routeByDevices(const c10::OperatorHandle& op, c10::DispatchKeySet keys, tor
   // comm.stats() names it after c10d's operator: "c10d::_allgather_base_ (mixed devices)".
   auto name = schema.name() + " (mixed devices)";
   auto back = copies.writeBack(name);
-  op.redispatchBoxed(below, stack);
+  // From the top: the call's tensors now lie on one device type, whose kernel c10d picks.
+  op.callBoxed(stack);
   copies.issued(name);
   for (auto i = stack->size() - schema.returns().size(); i < stack->size(); ++i) {
     auto& value = (*stack)[i];
@@ -175,27 +181,21 @@ void routeByDevices(const c10::OperatorHandle& op, c10::DispatchKeySet keys, tor
   }
 }
 
-// Puts routeByDevices in front of c10d's kernel for `device` of every c10d operator that has one.
-template <c10::DeviceType Served>
-void route(c10::DispatchKey autograd, c10::DispatchKey device) {
-  static torch::Library library(torch::Library::IMPL, "c10d", autograd, __FILE__, __LINE__);
-  auto& dispatcher = c10::Dispatcher::singleton();
-  for (const auto& name : dispatcher.getAllOpNames()) {
-    if (name.name.rfind("c10d::", 0) != 0) continue;
-    auto handle = dispatcher.findOp(name);
-    if (!handle || !handle->hasKernelForDispatchKey(device)) continue;
-    auto op = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
-    library.impl(op.c_str(), torch::CppFunction::makeFromBoxedFunction<&routeByDevices<Served>>());
-  }
-}
-
 } // namespace
 
+// Puts routeByDevices in front of c10d's device kernels of every c10d operator that has one.
 void routeMixedDevices() {
   static std::once_flag once;
   std::call_once(once, []() {
-    route<c10::DeviceType::PrivateUse1>(c10::DispatchKey::AutogradPrivateUse1, c10::DispatchKey::PrivateUse1);
-    route<c10::DeviceType::CUDA>(c10::DispatchKey::AutogradCUDA, c10::DispatchKey::CUDA);
+    static torch::Library library(torch::Library::IMPL, "c10d", c10::DispatchKey::BackendSelect, __FILE__, __LINE__);
+    auto& dispatcher = c10::Dispatcher::singleton();
+    for (const auto& name : dispatcher.getAllOpNames()) {
+      if (name.name.rfind("c10d::", 0) != 0) continue;
+      auto handle = dispatcher.findOp(name);
+      if (!handle || !handle->hasKernelForDispatchKey(c10::DispatchKey::CPU)) continue;
+      auto op = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
+      library.impl(op.c_str(), torch::CppFunction::makeFromBoxedFunction<&routeByDevices>());
+    }
   });
 }
 

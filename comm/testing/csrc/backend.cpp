@@ -6,6 +6,8 @@
 // device type cpu", and the functional collectives (DTensor) find it. A Python
 // subclass of ProcessGroup cannot get there: c10d puts it in place of the group.
 // Each collective runs with a gloo backend on host views of the device tensors.
+#include <ATen/ThreadLocalState.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
@@ -110,6 +112,10 @@ struct Queued {
   std::function<void()> after; // what the device does once it has finished (HCCL's divide for AVG)
   Fault fault = kNone;
   Tensors outputs;             // host views of what it writes
+  // The issuing thread's state (inference mode among it), which the worker runs under: what
+  // it does stands for the device's work, which a real device does not check against the
+  // host thread it runs on (gloo's worker threads take the issuer's state too).
+  at::ThreadLocalState issuer;
 };
 
 // A communicator's stream: a worker of its own that finishes each collective in the order
@@ -159,6 +165,7 @@ class Stream {
         next = std::move(state->queue.front());
         state->queue.pop_front();
       }
+      at::ThreadLocalStateGuard issuer(next.issuer);
       std::exception_ptr error;
       try {
         next.host->wait();
