@@ -66,7 +66,7 @@ $(CLIENTS_VENV)/.installed: setup.cfg pyproject.toml constraints.txt tests/clien
 # tests/clients/<name>-requirements.txt (which says why): LLaMA-Factory and ms-swift cap transformers
 # and Accelerate below the pins above. Their tests are the ones whose names hold <name>; elsewhere
 # they skip, saying where they run.
-OWN_VENV_CLIENTS := llamafactory swift
+OWN_VENV_CLIENTS := llamafactory swift verl
 
 .venv-%/.installed: setup.cfg pyproject.toml constraints.txt tests/clients/%-requirements.txt
 	$(PYTHON) -m venv .venv-$*

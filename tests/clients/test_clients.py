@@ -16,8 +16,9 @@ simulation. A case that fails for a known comm bug is ``xfail(strict=True)`` nam
 it, so that the tier stays green and says so when the fix lands.
 
 Run by ``make test-clients`` (its own venv, tests/clients/requirements.txt; LLaMA-Factory's
-tests in another, tests/clients/llamafactory-requirements.txt, and ms-swift's in a third,
-tests/clients/swift-requirements.txt), not by ``make test``.
+tests in another, tests/clients/llamafactory-requirements.txt, ms-swift's in a third,
+tests/clients/swift-requirements.txt, and verl's in a fourth, tests/clients/verl-requirements.txt),
+not by ``make test``.
 """
 
 import functools
@@ -120,13 +121,13 @@ def assert_matches(stdout, reference):
     assert values == pytest.approx(reference[1], **TOLERANCE)
 
 
-def assert_ran_on(stdout, where):
-    """Every step of both ranks reports ``where`` (``{rank}`` filled in): the framework trained there, not elsewhere.
+def assert_ran_on(stdout, where, ranks=(0, 1)):
+    """Every step of ``ranks`` reports ``where`` (``{rank}`` filled in): the framework trained there, not elsewhere.
 
     Searched in the whole output, as :data:`STEP` is: the ranks' lines share one pipe and
     may run together where a ``print`` writes its text and its newline apart.
     """
-    for rank in (0, 1):
+    for rank in ranks:
         step = rf"rank {rank}: step \d+ loss \S+ \w+ \S+ on "
         reported = re.findall(step, stdout)
         there = re.findall(step + re.escape(where.format(rank=rank)), stdout)
@@ -387,18 +388,26 @@ def test_funasr_trains_under_comm_as_in_its_one_process_cpu_run():
 #   before ms-swift staged the clip of CPU-offloaded FSDP2 gradients by hand (PR #9844, in 4.5.0). It wraps
 #   ``Accelerator.clip_grad_norm_`` (swift/trainers/mixin.py); in 4.4.2 the wrapper calls Accelerate's, which
 #   fails on Ascend's hccl group.
+# * verl 0.9.0's torchrun SFT trainer (``verl.trainer.sft_trainer.main``, its FSDP engine with ``strategy=fsdp2`` and
+#   ``offload_policy=True``): the newest release whose trainer makes ``hccl`` alone (0.9.1 makes ``cpu:gloo,npu:hccl``).
+#   Its own clip (verl/utils/fsdp_utils.py, fsdp2_clip_grad_norm_) moves the total norm to the device, but only after
+#   torch's _get_total_norm has reduced it, on the CPU: it fails there. verl has no CPU road (below), so its reference
+#   is one process on the CPU.
 
 # name -> (script, a frame the plain run's traceback shows, or None)
 SFT_CLIENTS = {
     "llamafactory": ("llamafactory_sft.py", None),
     "swift": ("swift_sft.py", r"swift/trainers/mixin\.py\", line \d+, in clip_grad_norm_"),
+    "verl": ("verl_sft.py", r"verl/utils/fsdp_utils\.py\", line \d+, in fsdp2_clip_grad_norm_"),
 }
 SFT = [pytest.param(name, id=name, marks=pytest.mark.skipif(
     importlib.util.find_spec(name) is None, reason=f"{name} runs in .venv-{name} (make test-clients)"))
     for name in SFT_CLIENTS]
+# Those whose own run on a CPU-only machine is their reference: all but verl.
+SFT_WITH_A_CPU_RUN = [param for param in SFT if param.id != "verl"]
 
 
-@pytest.mark.parametrize("name", SFT)
+@pytest.mark.parametrize("name", SFT_WITH_A_CPU_RUN)
 def test_sft_trains_on_a_cpu_only_machine(name):
     run = reference_run(SFT_CLIENTS[name][0])
     assert_ran_on(run.stdout, "cpu (not sharded, parameters on cpu)")
@@ -407,7 +416,7 @@ def test_sft_trains_on_a_cpu_only_machine(name):
 
 @pytest.mark.parametrize("name", SFT)
 def test_sft_fails_plainly_on_the_simulated_npu(name):
-    """It runs on Ascend's hccl group; Trainer's clip of the CPU-offloaded FSDP2 gradients fails."""
+    """It runs on Ascend's hccl group; the clip of the CPU-offloaded FSDP2 gradients fails (Trainer's, verl's)."""
     script, frame = SFT_CLIENTS[name]
     run = torchrun(script, mode="plain")
     assert_fails_with(run, SEED_ERROR)
@@ -415,7 +424,7 @@ def test_sft_fails_plainly_on_the_simulated_npu(name):
     assert "rank 0: step" not in run.stdout, run.stdout
 
 
-@pytest.mark.parametrize("name", SFT)
+@pytest.mark.parametrize("name", SFT_WITH_A_CPU_RUN)
 def test_sft_under_comm_matches_its_cpu_run(name):
     script = SFT_CLIENTS[name][0]
     run = torchrun(script, mode="comm")
@@ -425,3 +434,38 @@ def test_sft_under_comm_matches_its_cpu_run(name):
     losses, norms = steps(run.stdout)
     assert len(losses) == 3
     assert (losses, norms) == (pytest.approx(reference[0], **TOLERANCE), pytest.approx(reference[1], **TOLERANCE))
+
+
+# verl: with no accelerator its platform falls back to NVIDIA's (verl/plugin/platform/platform_manager.py), so on a
+# CPU-only machine its trainer asks for nccl. It logs on rank 0 only: the loss averaged over the ranks and the norm.
+
+VERL = pytest.mark.skipif(importlib.util.find_spec("verl") is None,
+                          reason="verl runs in .venv-verl (make test-clients)")
+
+
+@functools.lru_cache(maxsize=None)
+def verl_one_process():
+    """verl's steps in one process on the CPU, plain torch and transformers (verl_sft.py --one-process; once)."""
+    run = subprocess.run([sys.executable, str(CLIENTS / "verl_sft.py"), "--one-process"],
+                         capture_output=True, text=True, env=quiet_env(), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
+@VERL
+def test_verl_sft_fails_on_a_cpu_only_machine():
+    """verl has no CPU platform: it takes NVIDIA's and its ``init_process_group("nccl")`` fails."""
+    run = torchrun("verl_sft.py", mode="reference")
+    assert_fails_with(run, "RuntimeError: Distributed package doesn't have NCCL built in")
+    assert "rank 0: step" not in run.stdout, run.stdout
+
+
+@VERL
+def test_verl_sft_under_comm_matches_one_process():
+    run = torchrun("verl_sft.py", mode="comm")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_ran_on(run.stdout, "npu (fsdp2, parameters on cpu)", ranks=(0,))
+    reference = verl_one_process()
+    assert_ran_on(reference, "cpu (one process, parameters on cpu)", ranks=(0,))
+    assert len(steps(run.stdout)[0]) == 3
+    assert_matches(run.stdout, steps(reference))
