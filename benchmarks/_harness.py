@@ -83,12 +83,15 @@ def marker() -> None:
     getattr(os, MARKER)()
 
 
-def instructions_by_part(script: str, *args: str, parts: int) -> Optional[List[int]]:
+def instructions_by_part(script: str, *args: str, parts: int, main_thread: bool = False) -> Optional[List[int]]:
     """The instructions of each part of ``python script args`` under callgrind (None where valgrind is not
     installed): the process calls :func:`marker` once before its first part and once after each of ``parts``.
 
-    Every thread is counted (gloo runs collectives on threads of its own). The counts
-    are exact for what ran; an A/A pair of parts shows how much that varies.
+    Every thread is counted (gloo runs collectives on threads of its own), or the main
+    thread alone where ``main_thread``: with a peer process, gloo's threads spin while they
+    wait for it, a count that depends on the peer's timing; the main thread runs all
+    of Python's side of a call. The counts are exact for what ran; an A/A pair of parts
+    shows how much that varies.
     """
     valgrind = shutil.which("valgrind")
     if valgrind is None:
@@ -98,11 +101,14 @@ def instructions_by_part(script: str, *args: str, parts: int) -> Optional[List[i
            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as workdir:
         out = os.path.join(workdir, "callgrind.out")
-        subprocess.run([valgrind, "--tool=callgrind", f"--dump-before={MARKER}", f"--callgrind-out-file={out}",
-                        sys.executable, script, *args],
+        threads = ["--separate-threads=yes"] if main_thread else []
+        subprocess.run([valgrind, "--tool=callgrind", *threads, f"--dump-before={MARKER}",
+                        f"--callgrind-out-file={out}", sys.executable, script, *args],
                        check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=3600)
         # Dump 1 holds what ran up to the first marker, dumps 2.. the parts in order (the rest goes to ``out``).
-        dumps = sorted(glob.glob(out + ".*"), key=lambda path: int(path.rsplit(".", 1)[1]))
+        # With separate threads each dump is a file per thread, the main thread's ending in "-01".
+        pattern, suffix = (out + ".*-01", "-01") if main_thread else (out + ".*", "")
+        dumps = sorted(glob.glob(pattern), key=lambda path: int(path[:len(path) - len(suffix)].rsplit(".", 1)[1]))
         totals = [_total(path) for path in dumps]
     if len(totals) != parts + 1:
         raise RuntimeError(f"callgrind wrote {len(totals)} dumps, expected {parts + 1}")

@@ -204,6 +204,9 @@ def _source(name: str, parameters: List[inspect.Parameter]) -> str:
             "        try:",
             f"            return target({positional})",
             "        except Exception as error:",
+            *([f"            if refused({', '.join(f'{n}={n}' for n in names)}):  # refused by torch: comm fills the gap",
+               f"                return general({', '.join(f'{n}={n}' for n in names)})"]
+              if gap is not None and gap.refused is not None else []),
             "            if logs:",
             "                log(error, group)",
             "            raise",
@@ -253,6 +256,7 @@ def _explicit(name: str) -> Callable[..., Any]:
         "spared": _SPARED[name], "served_default": _NOT_LEARNT_REF, "spared_default": _NOT_LEARNT_REF, "world": _world,
         "compiling": _dynamo_compiling, "Tensor": torch.Tensor,
         "spare": gap.spared_by[1] if gap is not None and gap.spared_by is not None else None,
+        "refused": gap.refused if gap is not None else None,
         **{f"default_{p.name}": p.default for p in parameters if p.default is not inspect.Parameter.empty},
     }
     source, filename = _source(name, parameters), f"<comm.{name}>"

@@ -5,14 +5,19 @@
   torch 2.8, NCCL at world size 1). Integer tensors get torch's own error first,
   before anything is sent. Staged calls need none of this: comm's staging backend
   always runs AVG as SUM on its copies.
-* ``all_gather`` with pieces of unequal sizes, which gloo rejects: one flat
-  all-gather of pieces padded to the largest, then each piece copied out.
+* ``all_gather`` with pieces of unequal sizes, which gloo rejects (before it sends
+  anything): one flat all-gather of pieces padded to the largest, then each piece
+  copied out.
 
 Each entry of :data:`GAPS` is a :class:`Gap`: ``call`` takes torch's function and a
 call's arguments, and calls torch's function (looked up by the caller on every call,
 so that comm.profile() can time it); ``needed_on`` says once per group whether its
 calls can need the gap at all, and ``spared_by`` which argument value never needs
-it, so that comm's explicit calls skip the per-call check where neither holds.
+it, so that comm's explicit calls skip the per-call check where neither holds. A gap whose
+``refused`` is set is filled only where torch's own call refused the arguments:
+comm's explicit calls run torch's call as it is, and hand it to the gap only where it
+raised and ``refused`` says the arguments need the gap (no check while torch's call
+succeeds).
 """
 
 from __future__ import annotations
@@ -68,10 +73,13 @@ class Gap(NamedTuple):
     call: GapCall  # (torch's function, args, kwargs): the call, with the gap filled where this call needs it
     needed_on: Callable[[dist.ProcessGroup], bool]  # whether any call on this group may need it
     spared_by: Optional[Tuple[str, Any]] = None  # (parameter, value): a call passing this value never needs it
+    # Given a call's arguments by name, whether they need the gap: asked only where torch's call raised on them,
+    # which the backend must do before it sends anything (gloo does for uneven all_gather pieces).
+    refused: Optional[Callable[..., bool]] = None
 
 
-def _every_group(_group: dist.ProcessGroup) -> bool:
-    return True
+def _no_group(_group: dist.ProcessGroup) -> bool:
+    return False
 
 
 def _average(kind: str, output: str) -> Gap:
@@ -116,12 +124,16 @@ def _uneven_all_gather(torch_call: Callable[..., Any], args: Tuple[Any, ...], kw
     return _all_gather(torch_call, *args, **kwargs)
 
 
-def _all_gather(torch_call: Callable[..., Any], tensor_list: List[torch.Tensor], tensor: torch.Tensor,
-                group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Any:
-    uneven = isinstance(tensor_list, list) and isinstance(tensor, torch.Tensor) and all(
+def _uneven(tensor_list: Any, tensor: Any, **_others: Any) -> bool:
+    """Whether ``all_gather``'s pieces differ in size from ``tensor`` (tensors all, else torch's call says why not)."""
+    return isinstance(tensor_list, list) and isinstance(tensor, torch.Tensor) and all(
         isinstance(piece, torch.Tensor) for piece in tensor_list) and any(
         piece.numel() != tensor.numel() for piece in tensor_list)
-    if not uneven:
+
+
+def _all_gather(torch_call: Callable[..., Any], tensor_list: List[torch.Tensor], tensor: torch.Tensor,
+                group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Any:
+    if not _uneven(tensor_list, tensor):
         return torch_call(tensor_list, tensor, group, async_op)  # torch's call, and torch's errors
     pg = resolve_group(group)
     if len(tensor_list) != pg.size():
@@ -151,5 +163,6 @@ GAPS: Dict[str, Gap] = {
     "reduce_scatter": _average("reduce_scatter", "output"),
     "reduce_scatter_tensor": _average("reduce_scatter", "output"),
     "reduce_scatter_single": _average("reduce_scatter", "output"),
-    "all_gather": Gap(_uneven_all_gather, _every_group),  # the pieces' sizes: known per call only
+    # The pieces' sizes are known per call only: filled where torch's call refused them.
+    "all_gather": Gap(_uneven_all_gather, _no_group, refused=_uneven),
 }
