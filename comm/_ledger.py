@@ -3,12 +3,10 @@
 Three parts of comm put objects of their own where torch's were: the drop-in mode
 (:mod:`comm.patch`: where c10d creates groups, ``clip_grad_norm_``), the device
 translation (:mod:`comm.translate`: ``torch.cuda``, ``Tensor.to``, factories, ...) and
-an open profile (:mod:`comm.profiler`: torch.distributed's functions, comm's table of
-them). Each calls :func:`replace` with its name as ``by`` and :func:`restore` with the
+an open profile (:mod:`comm.profiler`: torch.distributed's functions). Each calls :func:`replace` with its name as ``by`` and :func:`restore` with the
 same name to undo all it replaced, or some of it.
 
-An owner is a module, a class or a dict (``sys.modules``, a module's namespace, comm's
-table of torch's functions). The ledger remembers the object each replacement
+An owner is a module, a class or a dict (``sys.modules``, a module's namespace). The ledger remembers the object each replacement
 displaced, or that a class only inherited the attribute (restoring then deletes it, so
 the class inherits again). It restores only what still holds comm's replacement: where
 someone put an object of their own there after comm (torch_npu imported after

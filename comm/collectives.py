@@ -31,8 +31,9 @@ import functools
 import inspect
 import linecache
 import threading
+import types
 import weakref
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -113,27 +114,28 @@ COLLECTIVES: Dict[str, Collective] = {
 _OLDER_NAMES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
 
 
-class _TorchFunctions(Dict[str, Callable[..., Any]]):
-    """The function each of comm's calls runs, by name: torch's own, or what comm.profile() puts in its place.
+# The function each of comm's calls runs, by name: torch's own, or what retarget() put in its place.
+_TARGETS: Dict[str, Callable[..., Any]] = {
+    name: getattr(dist, name, None) or getattr(dist, _OLDER_NAMES.get(name, name)) for name in COLLECTIVES}
+TORCH: Mapping[str, Callable[..., Any]] = types.MappingProxyType(_TARGETS)
 
-    Assigning an entry (``TORCH[name] = timed``, as the profiler does while a profile
-    is open; assigning torch's function back ends it) also points comm's ``name`` at
-    it: item assignment is the one way to change an entry.
+
+def retarget(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """Make comm's ``name`` run ``function`` in place of torch's (torch's own puts it back); return what it ran.
+
+    For comm.profile(), which times comm's calls so while a profile is open. Each of comm's
+    functions reads what it runs from a namespace of its own (see :func:`_explicit`):
+    this points that namespace, and :data:`TORCH`, at ``function``.
     """
+    if name not in _TARGETS:
+        raise KeyError(f"comm has no call named {name!r}")
+    previous = _TARGETS[name]
+    _TARGETS[name] = function
+    namespace = _EXPLICIT[name].__globals__
+    namespace["target"], namespace["logs"] = _body(function)
+    namespace["torch_function"] = function
+    return previous
 
-    def __setitem__(self, name: str, function: Callable[..., Any]) -> None:
-        if name not in self:
-            raise KeyError(f"comm has no call named {name!r}")
-        super().__setitem__(name, function)
-        explicit = _EXPLICIT.get(name)
-        if explicit is not None:
-            namespace = explicit.__globals__
-            namespace["target"], namespace["logs"] = _body(function)
-            namespace["torch_function"] = function
-
-
-TORCH: Dict[str, Callable[..., Any]] = _TorchFunctions(
-    {name: getattr(dist, name, None) or getattr(dist, _OLDER_NAMES.get(name, name)) for name in COLLECTIVES})
 
 # Per call and group, the facts that let a call skip comm's checks, learnt at the first
 # call of each name on each group: the group is equipped (so c10d routes every

@@ -9,10 +9,10 @@ collective and per power-of-two message size, with bus bandwidth by the nccl-tes
 formulas (:mod:`comm._profile_figures`).
 
 It costs nothing when off. While a profile is open, ``torch.distributed``'s
-functions (and those comm's explicit calls use, :data:`comm.collectives.TORCH`) are
-timing wrappers of torch's own, recorded in comm's one ledger of replacements
-(:mod:`comm._ledger`); when the last one closes they are torch's again, except
-where someone replaced a wrapper in the meantime (theirs stays).
+functions are timing wrappers of torch's own, recorded in comm's one ledger of
+replacements (:mod:`comm._ledger`), and comm's explicit calls run the same wrappers
+(:func:`comm.collectives.retarget`); when the last one closes they are torch's again,
+except where someone replaced a wrapper in the meantime (theirs stays).
 Calls torch makes from C++ (DDP's reducer) or through functional collectives
 (DTensor, compiled code), and functions imported by name before the block opened,
 are not timed; their staging is still counted.
@@ -327,6 +327,13 @@ def _close(block: Profile) -> None:
         _ACTIVE = tuple(other for other in _ACTIVE if other is not block)
         if not _ACTIVE:
             _ledger.restore(by=_BY)
+            for name, original in _RETARGETED.items():
+                collectives.retarget(name, original)
+            _RETARGETED.clear()
+
+
+# What comm's explicit calls ran before the open profile retargeted them: torch's functions.
+_RETARGETED: Dict[str, Callable[..., Any]] = {}
 
 
 def _install() -> None:
@@ -334,12 +341,13 @@ def _install() -> None:
     # One timing wrapper per function, wherever it is held: torch compares functions by
     # identity (P2POp's op against distributed_c10d.isend).
     timed: Dict[int, Callable[..., Any]] = {}
-    for holder in (dist, c10d, collectives.TORCH):
-        namespace = holder if isinstance(holder, dict) else vars(holder)
+    for module in (dist, c10d):
         for name in _SIGNATURES:
-            if name in namespace:
-                original = namespace[name]
-                _ledger.replace(holder, name, timed.setdefault(id(original), _timed(name, original)), by=_BY)
+            if name in vars(module):
+                original = vars(module)[name]
+                _ledger.replace(module, name, timed.setdefault(id(original), _timed(name, original)), by=_BY)
+    for name, original in collectives.TORCH.items():
+        _RETARGETED[name] = collectives.retarget(name, timed.setdefault(id(original), _timed(name, original)))
 
 
 def profile_if_asked() -> None:

@@ -512,26 +512,30 @@ def test_a_failure_inside_comms_call_shows_its_source_line(one_rank_gloo):
     assert inspect.getsource(comm.all_reduce).startswith("def all_reduce(tensor, op=default_op, group=default_group")
 
 
-def test_assigning_an_entry_of_torch_points_comms_call_at_it(one_rank_gloo):
-    """comm.profile() times comm's calls by assigning entries of collectives.TORCH: the first call of a name on a
-    group (the general path) and every later one (the fast path) run what the entry holds."""
-    original = collectives.TORCH["all_reduce"]
+def test_retarget_points_comms_call_at_another_function(one_rank_gloo):
+    """comm.profile() times comm's calls by retargeting them: the first call of a name on a group (the general
+    path) and every later one (the fast path) run what retarget() put there, until torch's is put back."""
     calls = []
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("group", args[2] if len(args) > 2 else None))
-        return original(*args, **kwargs)
+        return dist.all_reduce(*args, **kwargs)
 
     other = dist.new_group([0])
-    collectives.TORCH["all_reduce"] = spy
+    original = collectives.retarget("all_reduce", spy)
     try:
+        assert collectives.TORCH["all_reduce"] is spy
         for _ in range(2):
             comm.all_reduce(torch.ones(1), group=other)
     finally:
-        collectives.TORCH["all_reduce"] = original
+        assert collectives.retarget("all_reduce", original) is spy
     comm.all_reduce(torch.ones(1), group=other)
     assert calls == [other, other]
     assert collectives.TORCH["all_reduce"] is original is dist.all_reduce
+    with pytest.raises(TypeError):
+        collectives.TORCH["all_reduce"] = spy  # read-only: retarget() is the one way to change it
+    with pytest.raises(KeyError, match="comm has no call named 'nope'"):
+        collectives.retarget("nope", spy)
 
 
 def test_signatures_and_argument_errors_are_torchs():

@@ -21,6 +21,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 
+#include <c10/util/SmallVector.h>
+
 #include <mutex>
 
 #include "staging.h"
@@ -30,7 +32,10 @@ namespace {
 
 // The device type the group's own backend serves among `devices` (the accelerator where
 // it serves both), or none: the group is not equipped, or serves none of them.
-std::optional<c10::Device> targetOf(c10d::ProcessGroup& group, const std::vector<c10::Device>& devices) {
+// The first device of each type among a call's tensors; inline for the usual one or two.
+using Devices = c10::SmallVector<c10::Device, 2>;
+
+std::optional<c10::Device> targetOf(c10d::ProcessGroup& group, const Devices& devices) {
   bool equipped = false;
   std::optional<c10::Device> target;
   for (const auto& type : group.getDeviceTypes()) {
@@ -46,7 +51,7 @@ std::optional<c10::Device> targetOf(c10d::ProcessGroup& group, const std::vector
 }
 
 // The first device of each type among a call's tensors (alone, in lists, or lists of lists).
-void collectDevices(const c10::IValue& value, std::vector<c10::Device>& devices) {
+void collectDevices(const c10::IValue& value, Devices& devices) {
   if (value.isTensor()) {
     const auto device = value.toTensor().device();
     for (const auto& seen : devices) {
@@ -140,13 +145,14 @@ void routeByDevices(const c10::OperatorHandle& op, c10::DispatchKeySet keys, tor
   const auto& schema = op.schema();
   const auto& arguments = schema.arguments();
   auto first = stack->size() - arguments.size();
-  std::vector<c10::Device> devices;
+  Devices devices;
   std::optional<size_t> groupAt;
   for (size_t i = 0; i < arguments.size(); ++i) {
-    if (arguments[i].name() == "process_group") {
+    const auto& value = (*stack)[first + i];
+    if (!value.isObject()) { // a tag test: the group is a torchbind object, the tensors are not
+      collectDevices(value, devices);
+    } else if (arguments[i].name() == "process_group") {
       groupAt = i;
-    } else {
-      collectDevices((*stack)[first + i], devices);
     }
   }
   auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::BackendSelect);
