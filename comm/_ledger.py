@@ -3,14 +3,16 @@
 Three parts of comm put objects of their own where torch's were: the drop-in mode
 (:mod:`comm.patch`: where c10d creates groups, ``clip_grad_norm_``), the device
 translation (:mod:`comm.translate`: ``torch.cuda``, ``Tensor.to``, factories, ...) and
-an open profile (:mod:`comm.profiler`: torch.distributed's functions). Each calls :func:`replace` with its name as ``by`` and :func:`restore` with the
-same name to undo all it replaced, or some of it.
+an open profile (:mod:`comm.profiler`: torch.distributed's functions). Each calls
+:func:`replace` with its name as ``by`` and :func:`restore` with the same name to undo
+all it replaced, or some of it.
 
-An owner is a module, a class or a dict (``sys.modules``, a module's namespace). The ledger remembers the object each replacement
-displaced, or that a class only inherited the attribute (restoring then deletes it, so
-the class inherits again). It restores only what still holds comm's replacement: where
-someone put an object of their own there after comm (torch_npu imported after
-``comm.patch()``), theirs stays, and the ``comm`` logger says so at DEBUG.
+An owner is a module, a class or a dict (``sys.modules``, a module's namespace). The
+ledger remembers the object each replacement displaced, or that a class only inherited
+the attribute (restoring then deletes it, so the class inherits again). It restores
+only what still holds comm's replacement: where someone put an object of their own
+there after comm (torch_npu imported after ``comm.patch()``), theirs stays, and the
+``comm`` logger says so at DEBUG.
 
 :func:`follow` is for an attribute that others replace too, as torch_npu replaces
 c10d's group-creation helper: comm's stand-in wraps whatever was there, and whatever is
