@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from comm._releases import backend_options
-from comm.groups import backend_config, backends_by_device
 
 # torch's private names used here, with why: comm/_torch_private.py (the one list).
 
@@ -32,15 +31,15 @@ _STORE_PREFIX = "comm-staging"
 _CPU_STORE_PREFIX = "comm-staging-cpu"
 
 
-def communicator_factory(pg: dist.ProcessGroup, target: torch.device) -> Callable[[], Any]:
-    """A function that makes comm's communicator: a new backend like the group's for ``target``, with its options.
+def communicator_factory(pg: dist.ProcessGroup, target: torch.device, name: str) -> Callable[[], Any]:
+    """A function that makes comm's communicator: a new backend of kind ``name`` (the group's for ``target``), with
+    the options of the group's backend there.
 
     It holds the group by weak reference (the group holds the staging backend, which
     holds this function), and reads the group's store, ranks and options when it runs:
     at the first staged call from a thread other than the group's, after c10d has
     finished registering the group.
     """
-    name = backends_by_device(backend_config(pg)).get(target.type) or c10d.get_backend(pg)
     group = weakref.ref(pg)
 
     def make() -> Any:

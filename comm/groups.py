@@ -9,8 +9,9 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import Any, Dict, FrozenSet, Optional, Tuple
+from typing import Any, Dict, FrozenSet, NamedTuple, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from comm._releases import TORCH_VERSION
@@ -36,6 +37,22 @@ def served_types(group: dist.ProcessGroup) -> FrozenSet[str]:
     if not types:
         raise RuntimeError(f"cannot tell which device types process group {group!r} serves")
     return types
+
+
+class GroupFacts(NamedTuple):
+    """What equipping a group asks of it, asked once at the start (:func:`comm.slot.equip`) and handed down."""
+
+    group: dist.ProcessGroup
+    name: Any  # its group name (torch types it GroupName, a str), which c10d reads from its first backend
+    registered: FrozenSet[str]  # the device types it has a backend for
+    backends: Dict[str, str]  # device type -> the name of the backend it was created with
+    bound: Optional[torch.device]  # the device it was bound to at creation (``device_id``), if any
+
+
+def facts_of(group: dist.ProcessGroup) -> GroupFacts:
+    """``group``'s facts, as it stands now."""
+    return GroupFacts(group, group.group_name, frozenset(d.type for d in group._device_types),
+                      backends_by_device(backend_config(group)), getattr(group, "bound_device_id", None))
 
 
 def resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:

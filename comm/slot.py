@@ -42,7 +42,7 @@ from comm._communicators import communicator_factory, cpu_communicator_factory
 from comm._env import env_bytes
 from comm._native import STAGING
 from comm.device import accelerator_type, bound_device, current_device
-from comm.groups import GroupCache, backend_config, backends_by_device, resolve_group
+from comm.groups import GroupCache, GroupFacts, facts_of, resolve_group
 
 __all__ = ["adopt_thread", "cached_groups", "communicators", "equip", "equipped_once", "existing_groups", "own_types",
            "staged_types", "staging_device", "target_device", "unavailable_reason"]
@@ -87,27 +87,26 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     """
     pg = resolve_group(group)
     with _LOCK:
-        served = _registered_types(pg)
-        missing = _missing_types(served)
+        facts = facts_of(pg)
+        missing = _missing_types(facts.registered)
         if not missing:
-            return staged_types(pg)
-        target = target_device(pg, served)
+            return _staged_on(pg)
+        target = _target_of(facts.registered, facts.bound)
         native = STAGING.load()
-        label = _free_label(pg)
-        name = pg.group_name  # c10d reads the name from the first backend by device type: put it back after
-        factories = (communicator_factory(pg, target), cpu_communicator_factory(pg, target))
+        factories = (communicator_factory(pg, target, _kind_on(facts, target)), cpu_communicator_factory(pg, target))
         chunk_bytes = env_bytes("COMM_STAGING_CHUNK_BYTES", CHUNK_BYTES)
         try:
             backend = native.staging_backend(pg.rank(), pg.size(), target, pg._get_backend(target), *factories,
                                              chunk_bytes=chunk_bytes)
         except TypeError:  # the group's backend there is no c10d Backend comm can hold: comm's own for every thread
             backend = native.staging_backend(pg.rank(), pg.size(), target, None, *factories, chunk_bytes=chunk_bytes)
+        label = _free_label(facts)
         for device_type in missing:
             pg._register_backend(torch.device(device_type), label, backend)
-        pg._set_group_name(name)
+        pg._set_group_name(facts.name)  # c10d reads the name from the first backend by device type: put it back
         native.route_mixed_devices()
-        _LOG.info("comm stages %s on group %r onto %s", ", ".join(missing), name, target)
-        return staged_types(pg)
+        _LOG.info("comm stages %s on group %r onto %s", ", ".join(missing), facts.name, target)
+        return _staged_on(pg)
 
 
 def existing_groups() -> List[dist.ProcessGroup]:
@@ -179,7 +178,7 @@ def communicators(group: Optional[dist.ProcessGroup] = None) -> Dict[str, Dict[s
             continue
         made = STAGING.load().communicators_made(backend)
         target = STAGING.load().staging_target(backend)
-        kind = _backend_names(pg).get(target.type) or c10d.get_backend(pg)
+        kind = _kind_on(facts_of(pg), target)
         entry = counts.setdefault(pg.group_name, {})
         entry[str(kind)] = entry.get(str(kind), 0) + int(made.get("collectives", 0))
         if target.type != "cpu":
@@ -201,7 +200,10 @@ def _staging_backend(pg: dist.ProcessGroup) -> Any:
 
 def staged_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     """The device types comm's backend serves on ``group``."""
-    pg = resolve_group(group)
+    return _staged_on(resolve_group(group))
+
+
+def _staged_on(pg: dist.ProcessGroup) -> FrozenSet[str]:
     if not STAGING.is_loaded():
         return frozenset()  # nothing can have equipped a group yet
     native = STAGING.load()
@@ -254,21 +256,25 @@ def target_device(pg: dist.ProcessGroup, served: FrozenSet[str]) -> torch.device
     Where neither is bound, this process's accelerator without an index: the current
     device of the thread that makes the first staged call, fixed from then on.
     """
-    for bound in (getattr(pg, "bound_device_id", None), bound_device()):
+    return _target_of(served, getattr(pg, "bound_device_id", None))
+
+
+def _target_of(served: FrozenSet[str], bound_to_group: Optional[torch.device]) -> torch.device:
+    for bound in (bound_to_group, bound_device()):
         if bound is not None and bound.type in served:
             return torch.device(bound)
     accelerator = accelerator_type()
     return torch.device(accelerator if accelerator in served else "cpu")
 
 
-def _free_label(pg: dist.ProcessGroup) -> Any:
-    used = {_BUILTIN_TYPES.get(name, _TYPE.CUSTOM) for name in _backend_names(pg).values()}
+def _kind_on(facts: GroupFacts, target: torch.device) -> str:
+    """The name of the backend the group was created with for ``target``'s device type (else its one backend's)."""
+    return facts.backends.get(target.type) or str(c10d.get_backend(facts.group))
+
+
+def _free_label(facts: GroupFacts) -> Any:
+    used = {_BUILTIN_TYPES.get(name, _TYPE.CUSTOM) for name in facts.backends.values()}
     for label in _LABELS:
         if label not in used:
             return label
-    raise RuntimeError(f"process group {pg.group_name!r} uses every backend label comm could take: {used}")
-
-
-def _backend_names(pg: dist.ProcessGroup) -> Dict[str, str]:
-    """Device type -> the name of the backend the group was created with for it."""
-    return backends_by_device(backend_config(pg))
+    raise RuntimeError(f"process group {facts.name!r} uses every backend label comm could take: {used}")
