@@ -17,7 +17,7 @@ from torch.distributed import HashStore  # type: ignore[attr-defined]  # not in 
 
 from comm import slot
 from comm.device import accelerator_type, bind
-from comm.groups import backend_capability, backend_string_device_types, resolve_group, served_types
+from comm.groups import backend_capability, backend_string_device_types, device_types_of, resolve_group
 from comm.launch import LaunchInfo, launch_info
 
 __all__ = ["default_backend", "device_types", "init_process_group"]
@@ -167,6 +167,6 @@ def device_types(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     once equipped), else of its backend config (``"cpu:gloo,cuda:nccl"``), else of
     ``Backend.backend_capability``.
     """
-    return served_types(resolve_group(group))
+    return device_types_of(resolve_group(group))
 
 

@@ -20,8 +20,8 @@ a call is torch's.
 What a call costs over torch's own: each function is written at import from its row
 of the table and torch's signature (no per-call binding). A call on a group whose
 facts it has learnt (the group is equipped, and no gap of the call can apply there:
-:data:`_SERVED`, :data:`_SPARED`, learnt at the first call of each name on each group)
-is one identity test or dict read and torch's function, whatever its tensors. Every
+:data:`_FAST`, :data:`_FAST_IF_SPARED`, learnt at the first call of each name on each
+group) is one identity test or dict read and torch's function, whatever its tensors. Every
 other call takes :func:`_general`, which checks everything.
 """
 
@@ -139,14 +139,14 @@ def retarget(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
 
 # Per call and group, the facts that let a call skip comm's checks, learnt at the first
 # call of each name on each group: the group is equipped (so c10d routes every
-# device), and no gap of the call applies there (SERVED), or none when the call passes
-# the gap's sparing value (SPARED: ReduceOp.SUM where the group's backend lacks AVG).
+# device), and no gap of the call applies there (_FAST), or none when the call passes
+# the gap's sparing value (_FAST_IF_SPARED: ReduceOp.SUM where the group's backend lacks AVG).
 # Keyed by id(group) beside a weak reference whose callback removes the entry when the
 # group is collected (before its id can name another object): comm keeps no group
 # alive. Each function also holds a weak reference to the default group it learnt
-# (served_default, spared_default in its namespace): an identity test per call.
-_SERVED: Dict[str, Dict[int, Any]] = {name: {} for name in COLLECTIVES}
-_SPARED: Dict[str, Dict[int, Any]] = {name: {} for name in COLLECTIVES}
+# (fast_default, spared_default in its namespace): an identity test per call.
+_FAST: Dict[str, Dict[int, Any]] = {name: {} for name in COLLECTIVES}
+_FAST_IF_SPARED: Dict[str, Dict[int, Any]] = {name: {} for name in COLLECTIVES}
 _LEARNT = threading.RLock()  # reentrant: a collection inside _learn may run _forget
 
 
@@ -198,10 +198,11 @@ def _source(name: str, parameters: List[inspect.Parameter]) -> str:
                       f"        return general({', '.join(f'{n}={n}' for n in names)})"]
         lines += [
             "    if group is None:  # the default group: learnt once, an identity test",
-            "        fast = world._default_pg is served_default()" + (
+            "        fast = world._default_pg is fast_default()" + (
                 f" or ({spare} and world._default_pg is spared_default())" if spare else ""),
             "    else:",
-            "        fast = id(group) in served" + (f" or ({spare} and id(group) in spared)" if spare else ""),
+            "        fast = id(group) in fast_groups" + (
+                f" or ({spare} and id(group) in spared_groups)" if spare else ""),
             "    if fast:",
             "        try:",
             f"            return target({positional})",
@@ -243,7 +244,7 @@ def _explicit(name: str) -> Callable[..., Any]:
     """comm's ``name``: torch's function, once the group it runs on is equipped, with comm's additions.
 
     Written at import from torch's signature, with no per-call binding: a call on a
-    group whose facts are learnt (:data:`_SERVED`) is one dict read and torch's call.
+    group whose facts are learnt (:data:`_FAST`) is one dict read and torch's call.
     """
     torch_call = TORCH[name]
     signature = inspect.signature(torch_call)
@@ -254,8 +255,9 @@ def _explicit(name: str) -> Callable[..., Any]:
         "target": target, "logs": logs, "log": _logged(getattr(target, "__name__", name)),
         "torch_function": torch_call, "given": _given, "general": functools.partial(_general, name),
         "defaults": {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty},
-        "served": _SERVED[name],
-        "spared": _SPARED[name], "served_default": _NOT_LEARNT_REF, "spared_default": _NOT_LEARNT_REF, "world": _world,
+        "fast_groups": _FAST[name],
+        "spared_groups": _FAST_IF_SPARED[name], "fast_default": _NOT_LEARNT_REF, "spared_default": _NOT_LEARNT_REF,
+        "world": _world,
         "compiling": _dynamo_compiling, "Tensor": torch.Tensor,
         "spare": gap.spared_by[1] if gap is not None and gap.spared_by is not None else None,
         "refused": gap.refused if gap is not None else None,
@@ -314,12 +316,12 @@ def _learn(name: str, group: Any, gap: Optional[gaps.Gap]) -> None:
     """Record that calls of ``name`` on ``group`` (equipped) need no check: always, or when they pass the gap's
     sparing value; until the group is collected."""
     pg = _world._default_pg if group is None else group
-    if not isinstance(pg, dist.ProcessGroup) or id(pg) in _SERVED[name] or id(pg) in _SPARED[name]:
+    if not isinstance(pg, dist.ProcessGroup) or id(pg) in _FAST[name] or id(pg) in _FAST_IF_SPARED[name]:
         return
     if gap is None or not gap.needed_on(pg):
-        table, default = _SERVED[name], "served_default"
+        table, default = _FAST[name], "fast_default"
     elif gap.spared_by is not None:
-        table, default = _SPARED[name], "spared_default"
+        table, default = _FAST_IF_SPARED[name], "spared_default"
     else:
         return
     with _LEARNT:

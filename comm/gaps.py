@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from comm._releases import flat_gather
-from comm.groups import backend_config, backends_by_device, native_avg, resolve_group, served_types
+from comm.groups import backend_config, backends_by_device, device_types_of, native_avg, resolve_group
 from comm.work import DeferredWork
 
 __all__ = ["GAPS", "Gap"]
@@ -89,7 +89,7 @@ def _average(kind: str, output: str) -> Gap:
         """Whether the backend of any device type ``group`` serves lacks AVG for ``kind`` (comm's staging backend
         never does: it runs AVG as SUM on its copies)."""
         try:
-            types = served_types(group) | frozenset(backends_by_device(backend_config(group)))
+            types = device_types_of(group) | frozenset(backends_by_device(backend_config(group)))
         except RuntimeError:  # cannot tell what serves it: check every call
             return True
         return not all(native_avg(group, device_type, kind) for device_type in types)

@@ -29,7 +29,7 @@ FALLBACK_CAPABILITY = {
 }
 
 
-def served_types(group: dist.ProcessGroup) -> FrozenSet[str]:
+def device_types_of(group: dist.ProcessGroup) -> FrozenSet[str]:
     """The device types ``group`` serves: its registered backends', else its backend config's."""
     types = frozenset(d.type for d in getattr(group, "_device_types", ()))
     if not types:

@@ -19,7 +19,7 @@ from typing import Any, Callable, FrozenSet, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from comm.groups import resolve_group, served_types
+from comm.groups import device_types_of, resolve_group
 from comm.observability import count_staged
 from comm.slot import own_types, target_device
 from comm.work import DeferredWork
@@ -32,8 +32,8 @@ class _Copies:
 
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
         pg = resolve_group(group)
-        self.served: FrozenSet[str] = own_types(pg) or served_types(pg)
-        self.target = target_device(pg, self.served)
+        self.kept: FrozenSet[str] = own_types(pg) or device_types_of(pg)  # types whose tensors stay where they are
+        self.target = target_device(pg, self.kept)
         self.moved = 0
         self.bytes = 0
         self.back: List[Tuple[torch.Tensor, torch.Tensor]] = []
@@ -43,7 +43,7 @@ class _Copies:
         """``value`` (a tensor, a list of them, or a list of lists) with unserved tensors replaced by copies."""
         if isinstance(value, (list, tuple)):
             return type(value)(self.stage(item, reads, writes) for item in value)
-        if not isinstance(value, torch.Tensor) or value.device.type in self.served:
+        if not isinstance(value, torch.Tensor) or value.device.type in self.kept:
             return value
         staged = value.to(self.target) if reads else torch.empty_like(value, device=self.target)
         if reads:

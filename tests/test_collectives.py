@@ -463,18 +463,18 @@ def test_a_group_is_learnt_at_its_first_call_and_forgotten_once_collected(one_ra
     comm.all_reduce(tensor)
     other = dist.new_group([0])
     comm.all_reduce(tensor, group=other)
-    assert {id(one_rank_gloo), id(other)} <= set(collectives._SERVED["all_reduce"])
+    assert {id(one_rank_gloo), id(other)} <= set(collectives._FAST["all_reduce"])
     dist.destroy_process_group(other)
     collected = weakref.ref(other)
     del other
     gc.collect()
     assert collected() is None
-    assert list(collectives._SERVED["all_reduce"]) == [id(one_rank_gloo)]
+    assert list(collectives._FAST["all_reduce"]) == [id(one_rank_gloo)]
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    assert comm.all_reduce.__globals__["served_default"]() is not dist.group.WORLD
+    assert comm.all_reduce.__globals__["fast_default"]() is not dist.group.WORLD
     comm.all_reduce(tensor)  # the new default group, learnt in its turn
-    assert id(dist.group.WORLD) in collectives._SERVED["all_reduce"]
+    assert id(dist.group.WORLD) in collectives._FAST["all_reduce"]
     assert torch.equal(tensor, torch.ones(2))
 
 

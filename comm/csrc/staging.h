@@ -298,7 +298,7 @@ class StagingBackend final : public c10d::Backend {
     WorkPtr work;
     std::shared_ptr<WriteBack> back;
     std::optional<c10::Stream> waitOn;
-    bool own;
+    bool onGroupsKind;
   };
   // stage's first steps: copy in and call the communicator.
   Issued issue(const char* name, const std::function<WorkPtr(StagedCall&)>& run, const Reduction* reduction);
@@ -334,7 +334,7 @@ class StagingBackend final : public c10d::Backend {
   // the group (writeBackStream_), on comm's communicator its stream; none for a CPU target.
   std::optional<c10::Stream> waitStream(bool onGroupsKind, at::Device target);
   // comm's stream on `target` held in `held`, taken from the device's pool at first use.
-  std::optional<c10::Stream> ownStream(std::optional<c10::Stream>& held, at::Device target);
+  std::optional<c10::Stream> commStream(std::optional<c10::Stream>& held, at::Device target);
   void fixTarget();
   // The gloo communicator for CPU reductions the group's backend cannot run; made at the first.
   c10d::Backend& cpuCommunicator();

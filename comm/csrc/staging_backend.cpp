@@ -67,7 +67,7 @@ c10d::Backend& StagingBackend::madeCommunicator() {
   return *communicator_;
 }
 
-std::optional<c10::Stream> StagingBackend::ownStream(std::optional<c10::Stream>& held, at::Device target) {
+std::optional<c10::Stream> StagingBackend::commStream(std::optional<c10::Stream>& held, at::Device target) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!held) held = c10::impl::getDeviceGuardImpl(target.type())->getStreamFromGlobalPool(target);
   return held;
@@ -75,12 +75,12 @@ std::optional<c10::Stream> StagingBackend::ownStream(std::optional<c10::Stream>&
 
 std::optional<c10::Stream> StagingBackend::issueStream(bool onGroupsKind, at::Device target) {
   if (!onGroupsKind || target.is_cpu() || onOwn()) return std::nullopt;
-  return ownStream(stream_, target);
+  return commStream(stream_, target);
 }
 
 std::optional<c10::Stream> StagingBackend::waitStream(bool onGroupsKind, at::Device target) {
   if (!onGroupsKind || target.is_cpu()) return std::nullopt;
-  return onOwn() ? ownStream(writeBackStream_, target) : ownStream(stream_, target);
+  return onOwn() ? commStream(writeBackStream_, target) : commStream(stream_, target);
 }
 
 c10d::Backend& StagingBackend::cpuCommunicator() {
@@ -151,7 +151,7 @@ StagingBackend::Issued StagingBackend::issue(const char* name, const std::functi
                                               const Reduction* reduction) {
   c10d::Backend* comm = &communicator();
   auto target = this->target();
-  bool own = true; // on the communicator of the group's kind
+  bool onGroupsKind = true; // on the communicator of the group's kind (not the gloo one for the CPU)
   if (reduction != nullptr) {
     for (const auto& tensor : reduction->tensors) {
       auto why = unreducible(comm->getBackendName(), reduction->function, tensor.scalar_type());
@@ -168,20 +168,20 @@ StagingBackend::Issued StagingBackend::issue(const char* name, const std::functi
                   target.str(), ": ", why, "; nothing was copied or written");
       comm = &cpuCommunicator();
       target = at::Device(at::kCPU);
-      own = false;
+      onGroupsKind = false;
       break;
     }
   }
   StagedCall call(name, target, getSize(), *comm);
   WorkPtr work;
   try {
-    c10::OptionalStreamGuard guard(issueStream(own, target));
+    c10::OptionalStreamGuard guard(issueStream(onGroupsKind, target));
     work = run(call); // copy in, call the communicator
   } catch (...) {
     rethrowStaged(call.what());
   }
   call.issued();
-  return Issued{work, call.writeBack(), waitStream(own, target), own};
+  return Issued{work, call.writeBack(), waitStream(onGroupsKind, target), onGroupsKind};
 }
 
 WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run,
@@ -190,8 +190,8 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
   std::lock_guard<std::mutex> lock(mutex_);
   if (coalescing_ && coalescingThread_ == std::this_thread::get_id()) {
     coalescedBacks_.push_back(issued.back);
-    if (issued.work) (issued.own ? coalescedWorks_ : coalescedCpuWorks_).push_back(issued.work);
-    if (communicatorCoalesces_ && issued.own) return doneWork();
+    if (issued.work) (issued.onGroupsKind ? coalescedWorks_ : coalescedCpuWorks_).push_back(issued.work);
+    if (communicatorCoalesces_ && issued.onGroupsKind) return doneWork();
   }
   std::vector<WorkPtr> works;
   if (issued.work) works.push_back(issued.work);
