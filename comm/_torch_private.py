@@ -52,6 +52,8 @@ PRIVATE_NAMES: Dict[str, str] = {
         "the name a plugin gave the PrivateUse1 device (npu, ...), without importing the plugin",
     "torch._C.TensorBase":
         "Tensor.to and pin_memory beneath torch.Tensor's, which the translation replaces",
+    "torch._C._nn":
+        "holds _parse_to, which Module.to and libraries (tensordict's TensorDict.to) read .to's arguments with",
     "torch._C._VariableFunctions":
         "every torch factory function, to find those taking device= from their schemas",
     "torch._C._jit_get_schemas_for_operator":

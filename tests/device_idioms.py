@@ -111,6 +111,15 @@ IDIOMS: List[Idiom] = [
     Idiom("Module.to(dtype)", "nn.Linear(2, 2).to(torch.float64)"),
     Idiom("Module.cuda()", "nn.Linear(2, 2).cuda()", "nn.Linear(2, 2).to('cuda')"),
     Idiom("Module.cuda(1)", "nn.Linear(2, 2).cuda(1)", "nn.Linear(2, 2).to('cuda:1')"),
+    # .to's arguments read as Module.to reads them, and libraries moving their own containers (TensorDict.to).
+    Idiom("_parse_to(0) (an int)", "torch._C._nn._parse_to(0)", "torch._C._nn._parse_to('cuda:0')"),
+    Idiom("_parse_to('cuda:1'), then .to", "p = torch._C._nn._parse_to('cuda:1', non_blocking=True); "
+          "(p, torch.ones(2).to(p[0]))"),
+    Idiom("_parse_to(device=, dtype=), then .to", "p = torch._C._nn._parse_to(device=torch.device('cuda'), "
+          "dtype=torch.float64); (p, torch.ones(2).to(*p[:2]))"),
+    Idiom("_parse_to('meta')", "torch._C._nn._parse_to('meta')"),
+    Idiom("_parse_to(dtype)", "torch._C._nn._parse_to(torch.float16, memory_format=torch.channels_last)"),
+    Idiom("_parse_to(other)", "torch._C._nn._parse_to(torch.zeros(1, dtype=torch.int64))"),
     # Tensors.
     Idiom("Tensor.to('cuda')", "torch.ones(2).to('cuda')"),
     Idiom("Tensor.to('cuda:1', non_blocking)", "torch.ones(2).to('cuda:1', non_blocking=True)"),
@@ -207,7 +216,7 @@ def describe(value: Any, values: bool = True) -> str:
         return "(" + ", ".join(describe(item, values) for item in value) + ")"
     if isinstance(value, torch.Generator):
         return f"generator {value.device}"
-    if isinstance(value, (bool, int, float, str, torch.device, torch.dtype)) or value is None:
+    if isinstance(value, (bool, int, float, str, torch.device, torch.dtype, torch.memory_format)) or value is None:
         return repr(value)
     return type(value).__name__
 

@@ -188,6 +188,31 @@ def test_device_arguments_become_the_cpu(translated):
         assert translate.translated_device(device) is device
 
 
+def test_parse_to_reads_a_cuda_device_as_tensor_to_does(translated):
+    """``torch._C._nn._parse_to``, with which ``Module.to`` and libraries (tensordict's ``TensorDict.to``) read
+    ``.to``'s arguments: CUDA's devices and integers become the CPU, anything else is torch's own answer."""
+    parse_to = torch._C._nn._parse_to
+    original = getattr(parse_to, "__wrapped__", parse_to)  # torch's own, which comm's stand-in calls
+    cpu = torch.device("cpu")
+    for device in ["cuda", "cuda:1", torch.device("cuda"), torch.device("cuda", 1), 0, 1]:
+        assert parse_to(device) == (cpu, None, False, None)
+        assert parse_to(device, torch.float64, True) == (cpu, torch.float64, True, None)
+        assert parse_to(device=device, dtype=torch.float16, memory_format=torch.channels_last) == \
+            (cpu, torch.float16, False, torch.channels_last)
+    assert parse_to is not original and parse_to.__name__ == "_parse_to"
+    assert error_of(original, 0, catch=(RuntimeError,)) is not None  # what it fixes: torch reads 0 as an accelerator
+    other = torch.zeros(1, dtype=torch.int64)
+    for args, kwargs in [(("meta",), {}), (("cpu",), {}), ((torch.float16,), {}), ((other,), {}), ((None,), {}),
+                         ((), {}), ((torch.device("meta"), torch.float64), {"non_blocking": True}),
+                         ((), {"device": "meta", "memory_format": torch.channels_last}), ((True,), {})]:
+        assert parse_to(*args, **kwargs) == original(*args, **kwargs), (args, kwargs)
+    for bad in [("cudax",), ("cpu", "cuda"), (torch.float16, torch.float16)]:
+        assert error_of(parse_to, *bad, catch=(RuntimeError, TypeError), typed=True) == \
+            error_of(original, *bad, catch=(RuntimeError, TypeError), typed=True) is not None
+    with torch.device("meta"):  # a torch function mode hands the call to the stand-in
+        assert parse_to("cuda:1") == (cpu, None, False, None) and parse_to("cpu") == original("cpu")
+
+
 def test_an_unknown_device_string_gets_torchs_own_error(translated):
     bad = ["cudax", "cuda:x", "cuda:-2", "cuda:1:2"]
 
@@ -218,7 +243,8 @@ def _torch_objects():
     return {
         "torch.cuda": torch.cuda, "sys.modules": sys.modules["torch.cuda"],
         "Tensor": {name: torch.Tensor.__dict__.get(name) for name in ("to", "cuda", "pin_memory")},
-        "Module.to": torch.nn.Module.__dict__["to"], "DDP": DistributedDataParallel.__dict__["__init__"],
+        "Module.to": torch.nn.Module.__dict__["to"], "_parse_to": torch._C._nn._parse_to,
+        "DDP": DistributedDataParallel.__dict__["__init__"],
         "DataLoader": torch.utils.data.DataLoader.__dict__["__init__"],
         "autocast": autocast.__dict__["__init__"], "GradScaler": torch.amp.grad_scaler.GradScaler.__dict__["__init__"],
         "factories": {name: getattr(torch, name) for name in translate_calls.factory_names()},
@@ -235,7 +261,7 @@ def test_unpatch_restores_torchs_exact_objects():
     with comm.patched():
         during = _torch_objects()
         assert during["torch.cuda"] is during["sys.modules"] is not before["torch.cuda"]
-        for key in ("Module.to", "DDP", "DataLoader", "autocast", "GradScaler"):
+        for key in ("Module.to", "_parse_to", "DDP", "DataLoader", "autocast", "GradScaler"):
             assert during[key] is not before[key], key
         assert all(during["factories"][name] is not before["factories"][name] for name in before["factories"])
         with comm.patched():  # nested: the outer block's translation stays

@@ -8,7 +8,8 @@ initialising CUDA, comm translates those calls where a device or backend is cons
 * ``torch.cuda`` becomes a stand-in module (:mod:`comm.translate.cuda`) whose
   functions act on the accelerator's own module, or on the CPU where there is none;
 * one device-argument translator serves ``Tensor.to``, ``Tensor.cuda`` (and with it
-  ``Module.cuda`` and ``Module.to``), every torch factory function that takes
+  ``Module.cuda`` and ``Module.to``), ``torch._C._nn._parse_to`` (``.to``'s arguments as
+  ``Module.to`` and libraries' own ``.to`` read them), every torch factory function that takes
   ``device=`` (found from the operator schemas, not listed by hand), the device of
   ``with torch.device(...)`` and ``torch.set_default_device``, ``pin_memory``,
   DDP's ``device_ids``/``output_device``, ``init_process_group``/``new_group``

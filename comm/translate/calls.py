@@ -45,25 +45,32 @@ def _changed(kind: str, given: Any, became: Any) -> None:
         note(kind, lambda: f"{kind}(device={given!r}) into device={became!r}")
 
 
-def _to(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
-    """``Tensor.to`` / ``Module.to``: the device, first positional or ``device=``, translated."""
+def _to(original: Callable[..., Any], kind: str, method: bool = True) -> Callable[..., Any]:
+    """``Tensor.to``, ``Module.to`` and ``torch._C._nn._parse_to``: the device (first or ``device=``) translated.
+
+    ``_parse_to`` (not a ``method``: nothing comes before its device) reads ``.to``'s
+    arguments as ``Module.to`` and ``PackedSequence.to`` do, and as libraries that move
+    their own containers do (tensordict's ``TensorDict.to``), so a device is translated
+    wherever ``.to``'s arguments are read, not only at the two ``to`` comm stands in for.
+    """
+    position = 1 if method else 0
 
     @functools.wraps(original)
-    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            first = args[0]
+    def to(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > position:
+            first = args[position]
             if first.__class__ is not str or first.startswith("cuda"):  # (a string of another device: as is)
                 translated = translated_device(first)
                 if translated is not first:
                     if kind not in NOTED:
                         _changed(kind, first, translated)
-                    args = (translated,) + args[1:]
+                    args = args[:position] + (translated,) + args[position + 1:]
         if kwargs and "device" in kwargs:
             given = kwargs["device"]
             kwargs["device"] = translated_device(given)
             if kwargs["device"] is not given:
                 _changed(kind, given, kwargs["device"])
-        return original(self, *args, **kwargs)
+        return original(*args, **kwargs)
 
     return to
 
@@ -315,6 +322,7 @@ def targets() -> List[Tuple[Any, str, Any]]:
     found: List[Tuple[Any, str, Any]] = [
         (torch.Tensor, "to", _to(_tensor_to, "Tensor.to")),
         _method(torch.nn.Module, "to", lambda f: _to(f, "Module.to")),
+        (torch._C._nn, "_parse_to", _to(torch._C._nn._parse_to, "torch._C._nn._parse_to", method=False)),
         (torch.Tensor, "cuda", tensor_cuda),
         (torch.Tensor, "pin_memory", tensor_pin_memory),
         _method(DistributedDataParallel, "__init__", _ddp_init),
