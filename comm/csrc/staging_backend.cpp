@@ -97,10 +97,15 @@ c10d::Backend& StagingBackend::cpuCommunicator() {
 
 namespace {
 
-// Why `backend` cannot run the reduction `function` on `dtype`, by its sources; empty where it can.
-// HCCL (torch_npu's ProcessGroupHCCL.cpp, checkSupportedDataType, :168-189 on master, :170-184 in
-// 2.9.1) reduces int8/16/32/64, fp16, fp32 and bf16; allreduce, allreduce_coalesced and reduce cast
-// bool and uint8 to int32 first (:4793-4796, 5070, 5153), the reduce-scatters do not.
+// Why `backend` cannot run the reduction `function` on `dtype`; empty where it can. HCCL reduces
+// int8, int16, int32, int64, float16, float32 and bfloat16, by its own API reference for
+// HcclAllReduce (CANN 8.0.RC1 and RC2 hcclapiref, the Atlas A2 training series; it lists no
+// bfloat16 for the older training series); comm takes the same list for the other reductions,
+// which that reference was not read for. torch_npu casts bool and uint8 to int32 first in
+// allreduce, allreduce_coalesced and reduce, not in the reduce-scatters (ProcessGroupHCCL.cpp
+// :4793-4796, 5070, 5153 on master). The simulated HCCL's table
+// (comm/testing/csrc/backend.cpp) is read from torch_npu's own check instead
+// (checkSupportedDataType), so that a misreading of either shows as a failing staged reduction.
 std::string unreducible(const std::string& backend, const std::string& function, at::ScalarType dtype) {
   if (backend != "hccl") return "";
   bool casts = function == "allreduce" || function == "allreduce_coalesced" || function == "reduce";
