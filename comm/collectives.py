@@ -207,7 +207,7 @@ def _source(name: str, parameters: List[inspect.Parameter]) -> str:
             "        try:",
             f"            return target({positional})",
             "        except Exception as error:",
-            *([f"            if refused({', '.join(f'{n}={n}' for n in names)}):  # what comm fills",
+            *([f"            if refused(error, {', '.join(f'{n}={n}' for n in names)}):  # what comm fills",
                f"                return general({', '.join(f'{n}={n}' for n in names)})"]
               if gap is not None and gap.refused is not None else []),
             "            if logs:",

@@ -7,17 +7,17 @@
   always runs AVG as SUM on its copies.
 * ``all_gather`` with pieces of unequal sizes, which gloo rejects (before it sends
   anything): one flat all-gather of pieces padded to the largest, then each piece
-  copied out.
+  copied out. NCCL gathers them itself.
 
 Each entry of :data:`GAPS` is a :class:`Gap`: ``call`` takes torch's function and a
 call's arguments, and calls torch's function (looked up by the caller on every call,
 so that comm.profile() can time it); ``needed_on`` says once per group whether its
 calls can need the gap at all, and ``spared_by`` which argument value never needs
 it, so that comm's explicit calls skip the per-call check where neither holds. A gap whose
-``refused`` is set is filled only where torch's own call refused the arguments:
-comm's explicit calls run torch's call as it is, and hand it to the gap only where it
-raised and ``refused`` says the arguments need the gap (no check while torch's call
-succeeds).
+``refused`` is set is filled, on the groups it is not needed on, only where torch's own
+call refused the arguments: comm's explicit calls run torch's call as it is, and hand it
+to the gap only where it raised the refusal ``refused`` recognises, before anything was
+sent (no check while torch's call succeeds; any other error is torch's).
 """
 
 from __future__ import annotations
@@ -73,13 +73,16 @@ class Gap(NamedTuple):
     call: GapCall  # (torch's function, args, kwargs): the call, with the gap filled where this call needs it
     needed_on: Callable[[dist.ProcessGroup], bool]  # whether any call on this group may need it
     spared_by: Optional[Tuple[str, Any]] = None  # (parameter, value): a call passing this value never needs it
-    # Given a call's arguments by name, whether they need the gap: asked only where torch's call raised on them,
-    # which the backend must do before it sends anything (gloo does for uneven all_gather pieces).
+    # Given the error torch's call raised and the call's arguments by name, whether it is the backend's refusal
+    # of what the gap fills, raised before anything was sent (gloo's of uneven all_gather pieces).
     refused: Optional[Callable[..., bool]] = None
 
 
-def _no_group(_group: dist.ProcessGroup) -> bool:
-    return False
+def _gathers_uneven_unknown(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` has a backend whose handling of uneven all_gather pieces comm does not know: any but gloo
+    (which refuses them before sending anything: ProcessGroupGloo's allgather checks every size as it is called)
+    and nccl (which gathers them itself: ProcessGroupNCCL's allgather falls back to broadcasts)."""
+    return not set(backends_by_device(backend_config(group)).values()) <= {"gloo", "nccl"}
 
 
 def _average(kind: str, output: str) -> Gap:
@@ -124,6 +127,12 @@ def _uneven_all_gather(torch_call: Callable[..., Any], args: Tuple[Any, ...], kw
     return _all_gather(torch_call, *args, **kwargs)
 
 
+def _refused_uneven(error: Exception, tensor_list: Any, tensor: Any, **_others: Any) -> bool:
+    """Whether ``error`` is gloo's refusal of uneven pieces ("ProcessGroupGloo::allgather: invalid tensor size at
+    index 0 (expected (4), got (3))", raised as the call is made) for pieces that are uneven."""
+    return "invalid tensor size" in str(error) and _uneven(tensor_list, tensor)
+
+
 def _uneven(tensor_list: Any, tensor: Any, **_others: Any) -> bool:
     """Whether ``all_gather``'s pieces differ in size from ``tensor`` (tensors all, else torch's call says why not)."""
     return isinstance(tensor_list, list) and isinstance(tensor, torch.Tensor) and all(
@@ -163,6 +172,6 @@ GAPS: Dict[str, Gap] = {
     "reduce_scatter": _average("reduce_scatter", "output"),
     "reduce_scatter_tensor": _average("reduce_scatter", "output"),
     "reduce_scatter_single": _average("reduce_scatter", "output"),
-    # The pieces' sizes are known per call only: filled where torch's call refused them.
-    "all_gather": Gap(_uneven_all_gather, _no_group, refused=_uneven),
+    # The pieces' sizes are known per call only: on gloo and nccl groups filled where gloo refused them.
+    "all_gather": Gap(_uneven_all_gather, _gathers_uneven_unknown, refused=_refused_uneven),
 }

@@ -491,3 +491,9 @@ def test_one_staged_all_reduce_on_one_rank_counts_one_call_two_transfers_and_one
     assert (stats["staged_calls"], stats["transfers"]) == (1, 2)
     assert stats["bytes_staged"] == 2 * _one_rank_values().nbytes
     assert seen["device"] == {"host_syncs": 1, "drains": 0}
+
+
+def test_equip_leaves_a_group_without_backends_alone():
+    """A ProcessGroup made bare (no backend, so no name: asking it raises) serves no device of this process's."""
+    bare = dist.ProcessGroup(dist.HashStore(), 0, 1)
+    assert comm.equip(bare) == frozenset()
