@@ -258,7 +258,7 @@ def _explicit(name: str) -> Callable[..., Any]:
         "fast_groups": _FAST[name],
         "spared_groups": _FAST_IF_SPARED[name], "fast_default": _NOT_LEARNT_REF, "spared_default": _NOT_LEARNT_REF,
         "world": _world,
-        "compiling": _dynamo_compiling, "Tensor": torch.Tensor,
+        "compiling": _dynamo_compiling,
         "spare": gap.spared_by[1] if gap is not None and gap.spared_by is not None else None,
         "refused": gap.refused if gap is not None else None,
         **{f"default_{p.name}": p.default for p in parameters if p.default is not inspect.Parameter.empty},

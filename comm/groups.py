@@ -44,15 +44,14 @@ class GroupFacts(NamedTuple):
 
     group: dist.ProcessGroup
     name: Any  # its group name (torch types it GroupName, a str), which c10d reads from its first backend
-    registered: FrozenSet[str]  # the device types it has a backend for
     backends: Dict[str, str]  # device type -> the name of the backend it was created with
     bound: Optional[torch.device]  # the device it was bound to at creation (``device_id``), if any
 
 
 def facts_of(group: dist.ProcessGroup) -> GroupFacts:
     """``group``'s facts, as it stands now."""
-    return GroupFacts(group, group.group_name, frozenset(d.type for d in group._device_types),
-                      backends_by_device(backend_config(group)), getattr(group, "bound_device_id", None))
+    return GroupFacts(group, group.group_name, backends_by_device(backend_config(group)),
+                      getattr(group, "bound_device_id", None))
 
 
 def resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:

@@ -87,11 +87,12 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
     """
     pg = resolve_group(group)
     with _LOCK:
-        missing = _missing_types(_registered_types(pg))
+        registered = _registered_types(pg)
+        missing = _missing_types(registered)
         if not missing:  # a group of no device of this process's, or with no backend yet (it has no name then)
             return _staged_on(pg)
         facts = facts_of(pg)
-        target = _target_of(facts.registered, facts.bound)
+        target = _target_of(registered, facts.bound)
         native = STAGING.load()
         factories = (communicator_factory(pg, target, _kind_on(facts, target)), cpu_communicator_factory(pg, target))
         chunk_bytes = env_bytes("COMM_STAGING_CHUNK_BYTES", CHUNK_BYTES)

@@ -30,11 +30,11 @@
 namespace comm_native {
 namespace {
 
-// The device type the group's own backend serves among `devices` (the accelerator where
-// it serves both), or none: the group is not equipped, or serves none of them.
 // The first device of each type among a call's tensors; inline for the usual one or two.
 using Devices = c10::SmallVector<c10::Device, 2>;
 
+// The device type the group's own backend serves among `devices` (the accelerator where
+// it serves both), or none: the group is not equipped, or serves none of them.
 std::optional<c10::Device> targetOf(c10d::ProcessGroup& group, const Devices& devices) {
   bool equipped = false;
   std::optional<c10::Device> target;
@@ -50,16 +50,20 @@ std::optional<c10::Device> targetOf(c10d::ProcessGroup& group, const Devices& de
   return equipped ? target : std::nullopt;
 }
 
-// The first device of each type among a call's tensors (alone, in lists, or lists of lists).
+void noteDevice(const at::Tensor& tensor, Devices& devices) {
+  const auto device = tensor.device();
+  for (const auto& seen : devices) {
+    if (seen.type() == device.type()) return;
+  }
+  devices.push_back(device);
+}
+
+// Adds the devices of a call's argument: a tensor, a list of them, or a list of lists.
 void collectDevices(const c10::IValue& value, Devices& devices) {
   if (value.isTensor()) {
-    const auto device = value.toTensor().device();
-    for (const auto& seen : devices) {
-      if (seen.type() == device.type()) return;
-    }
-    devices.push_back(device);
+    noteDevice(value.toTensor(), devices);
   } else if (value.isTensorList()) {
-    for (const at::Tensor& tensor : value.toTensorList()) collectDevices(tensor, devices);
+    for (const at::Tensor& tensor : value.toTensorList()) noteDevice(tensor, devices);
   } else if (value.isList()) {
     for (const c10::IValue& item : value.toListRef()) collectDevices(item, devices);
   }
