@@ -74,6 +74,18 @@ def reference_run(script, *args):
     return run
 
 
+@functools.lru_cache(maxsize=None)
+def one_process_run(script, *args):
+    """The stdout of ``python script args`` in one process on the CPU: no torchrun, no comm (run once per session).
+
+    The reference of a framework whose steps one process can make on the union of the ranks' batches
+    (FunASR's own trainer with ``++device=cpu``; verl's steps in plain torch, as verl has no CPU road)."""
+    run = subprocess.run([sys.executable, str(CLIENTS / script), *args],
+                         capture_output=True, text=True, env=quiet_env(), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
 def client(name):
     """tests/clients/``name``.py as a module, for its model, data and constants."""
     spec = importlib.util.spec_from_file_location(name, CLIENTS / f"{name}.py")
@@ -330,13 +342,6 @@ FUNASR_LOGGED = re.compile(r"train, rank: (\d), epoch: 0/1, data_slice: 0/1, ste
 FUNASR_VALIDATION = re.compile(r"rank 0: step (\d+) loss \S+ checksum \S+ on (\S+) \(validation loss (\S+)\)")
 
 
-@functools.lru_cache(maxsize=None)
-def funasr_reference():
-    """FunASR's one-process run on a CPU-only machine: no torchrun, no comm (run once per session)."""
-    run = subprocess.run([sys.executable, str(CLIENTS / "funasr_train.py"), "++device=cpu"],
-                         capture_output=True, text=True, env=quiet_env(), timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
 
 
 def funasr_logged(stdout):
@@ -361,7 +366,7 @@ def test_funasr_fails_plainly_on_the_simulated_npu(backend, error):
 def test_funasr_trains_under_comm_as_in_its_one_process_cpu_run():
     run = torchrun("funasr_train.py", mode="comm")
     assert run.returncode == 0, run.stderr[-3000:]
-    reference = funasr_reference()
+    reference = one_process_run("funasr_train.py", "++device=cpu")
     validation = FUNASR_VALIDATION.findall(run.stdout)
     assert [device for _, device, _ in validation] == ["npu:0"] * 3, run.stdout
     assert [device for _, device, _ in FUNASR_VALIDATION.findall(reference)] == ["cpu"] * 3, reference
@@ -443,15 +448,6 @@ VERL = pytest.mark.skipif(importlib.util.find_spec("verl") is None,
                           reason="verl runs in .venv-verl (make test-clients)")
 
 
-@functools.lru_cache(maxsize=None)
-def verl_one_process():
-    """verl's steps in one process on the CPU, plain torch and transformers (verl_sft.py --one-process; once)."""
-    run = subprocess.run([sys.executable, str(CLIENTS / "verl_sft.py"), "--one-process"],
-                         capture_output=True, text=True, env=quiet_env(), timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
-
-
 @VERL
 def test_verl_sft_fails_on_a_cpu_only_machine():
     """verl has no CPU platform: it takes NVIDIA's and its ``init_process_group("nccl")`` fails."""
@@ -465,7 +461,7 @@ def test_verl_sft_under_comm_matches_one_process():
     run = torchrun("verl_sft.py", mode="comm")
     assert run.returncode == 0, run.stderr[-3000:]
     assert_ran_on(run.stdout, "npu (fsdp2, parameters on cpu)", ranks=(0,))
-    reference = verl_one_process()
+    reference = one_process_run("verl_sft.py", "--one-process")
     assert_ran_on(reference, "cpu (one process, parameters on cpu)", ranks=(0,))
     assert len(steps(run.stdout)[0]) == 3
     assert_matches(run.stdout, steps(reference))
