@@ -42,10 +42,12 @@ STEP = re.compile(r"rank (\d): step (\d+) loss (\S+) (?:grad_norm|checksum) (\S+
 NO_CUDA_BINDINGS = "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'"
 
 
-def torchrun(script, *args, mode, **env):
+def torchrun(script, *args, mode, rank_0_only=False, **env):
     """Run tests/clients/``script`` on two ranks: ``mode`` is plain, comm, cpu (-m comm, no simulation) or reference.
 
-    ``env`` adds variables to the ranks' environment."""
+    ``env`` adds variables to the ranks' environment. ``rank_0_only`` shows rank 0's output alone (torchrun's
+    ``--local-ranks-filter``): for runs that fail, where both ranks' tracebacks in one pipe can interleave
+    mid-line and split the error a test looks for."""
     if mode in ("plain", "comm"):
         skip_unless_simulation()
     launch = {
@@ -54,7 +56,8 @@ def torchrun(script, *args, mode, **env):
         "cpu": ["-m", "comm"],
         "reference": [],
     }[mode]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    shown = ["--local-ranks-filter", "0"] if rank_0_only else []
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *shown,
                *launch, str(CLIENTS / script), *args]
     return subprocess.run(command, capture_output=True, text=True, env=quiet_env(**env), timeout=300)
 
@@ -187,7 +190,8 @@ def test_accelerate_collectives_plainly_on_the_simulated_npu():
     assert run.returncode == 0, run.stderr
     assert_accelerate_values(run.stdout, "accelerator", TORCH_VALUES, "npu")
     for op in TORCH_VALUES:
-        assert_fails_with(torchrun("accelerate_collectives.py", "--on", "cpu", "--ops", op, mode="plain"), SEED_ERROR)
+        run = torchrun("accelerate_collectives.py", "--on", "cpu", "--ops", op, mode="plain", rank_0_only=True)
+        assert_fails_with(run, SEED_ERROR)
 
 
 def test_accelerate_collectives_under_comm():
@@ -205,7 +209,7 @@ def test_accelerate_gather_of_cpu_tensors_under_comm():
 
 
 def test_accelerate_fsdp2_offload_clip_fails_plainly_and_matches_one_process_under_comm():
-    assert_fails_with(torchrun("accelerate_fsdp2_clip.py", mode="plain"), SEED_ERROR)
+    assert_fails_with(torchrun("accelerate_fsdp2_clip.py", mode="plain", rank_0_only=True), SEED_ERROR)
     run = torchrun("accelerate_fsdp2_clip.py", mode="comm")
     assert run.returncode == 0, run.stderr
     assert_ran_on(run.stdout, "npu (hccl)")
@@ -216,7 +220,7 @@ def test_accelerate_fsdp2_offload_clip_fails_plainly_and_matches_one_process_und
 
 def test_deepspeed_zero3_fails_plainly_on_the_simulated_npu():
     """DeepSpeed initialises on the NPU (its accelerator, hccl); the script's ``torch.cuda.set_device`` then fails."""
-    run = torchrun("deepspeed_zero3.py", mode="plain")
+    run = torchrun("deepspeed_zero3.py", mode="plain", rank_0_only=True)
     assert_fails_with(run, NO_CUDA_BINDINGS)
     assert "rank 0: step" not in run.stdout, run.stdout
 
@@ -244,7 +248,7 @@ def assert_lightning_matches_its_cpu_run(stdout):
 
 
 def test_lightning_cuda_path_fails_plainly_on_the_simulated_npu():
-    run = torchrun("lightning_ddp.py", "--accelerator", "cuda", mode="plain")
+    run = torchrun("lightning_ddp.py", "--accelerator", "cuda", mode="plain", rank_0_only=True)
     assert_fails_with(run, "`CUDAAccelerator` can not run on your system since the accelerator is not available")
 
 
@@ -264,7 +268,7 @@ def megatron_reference():
 
 
 def test_megatron_ddp_fails_plainly_on_the_simulated_npu():
-    assert_fails_with(torchrun("megatron_ddp.py", mode="plain"), NO_CUDA_BINDINGS)
+    assert_fails_with(torchrun("megatron_ddp.py", mode="plain", rank_0_only=True), NO_CUDA_BINDINGS)
 
 
 @pytest.mark.parametrize("mode, device", [("comm", "npu:{rank} (hccl)"), ("cpu", "cpu (gloo)")], ids=["comm", "cpu"])
@@ -279,7 +283,7 @@ def test_megatron_ddp_under_comm_matches_one_process(mode, device):
 
 def test_transformers_trainer_fails_plainly_on_the_simulated_npu():
     """Trainer runs on Ascend's hccl group; its clip of the CPU-offloaded FSDP2 gradients fails as users report."""
-    run = torchrun("transformers_trainer.py", mode="plain")
+    run = torchrun("transformers_trainer.py", mode="plain", rank_0_only=True)
     assert_fails_with(run, SEED_ERROR)
     assert "rank 0: step" not in run.stdout, run.stdout
 
@@ -319,7 +323,7 @@ def test_torchtitan_trains_plainly_on_the_simulated_npu():
 
 def test_torchtitan_fails_plainly_on_a_cpu_only_machine():
     """On a CPU-only machine torchtitan takes the CUDA road (its device_type falls back to "cuda")."""
-    assert_fails_with(torchrun("torchtitan_llama.py", mode="reference"), NO_CUDA_BINDINGS)
+    assert_fails_with(torchrun("torchtitan_llama.py", mode="reference", rank_0_only=True), NO_CUDA_BINDINGS)
 
 
 @pytest.mark.parametrize("translate", ["1", "0"], ids=["translation-on", "translation-off"])
@@ -358,7 +362,7 @@ def funasr_logged(stdout):
 ], ids=["default-nccl", "backend-hccl"])
 def test_funasr_fails_plainly_on_the_simulated_npu(backend, error):
     """FunASR's ``init_process_group("nccl")`` fails; given ``++backend=hccl``, its ``torch.cuda.set_device``."""
-    run = torchrun("funasr_train.py", *([f"++backend={backend}"] if backend else []), mode="plain")
+    run = torchrun("funasr_train.py", *([f"++backend={backend}"] if backend else []), mode="plain", rank_0_only=True)
     assert_fails_with(run, error)
     assert "train, rank" not in run.stdout, run.stdout
 
@@ -423,7 +427,7 @@ def test_sft_trains_on_a_cpu_only_machine(name):
 def test_sft_fails_plainly_on_the_simulated_npu(name):
     """It runs on Ascend's hccl group; the clip of the CPU-offloaded FSDP2 gradients fails (Trainer's, verl's)."""
     script, frame = SFT_CLIENTS[name]
-    run = torchrun(script, mode="plain")
+    run = torchrun(script, mode="plain", rank_0_only=True)
     assert_fails_with(run, SEED_ERROR)
     assert frame is None or re.search(frame, run.stderr), run.stderr[-3000:]
     assert "rank 0: step" not in run.stdout, run.stdout
@@ -451,7 +455,7 @@ VERL = pytest.mark.skipif(importlib.util.find_spec("verl") is None,
 @VERL
 def test_verl_sft_fails_on_a_cpu_only_machine():
     """verl has no CPU platform: it takes NVIDIA's and its ``init_process_group("nccl")`` fails."""
-    run = torchrun("verl_sft.py", mode="reference")
+    run = torchrun("verl_sft.py", mode="reference", rank_0_only=True)
     assert_fails_with(run, "RuntimeError: Distributed package doesn't have NCCL built in")
     assert "rank 0: step" not in run.stdout, run.stdout
 
