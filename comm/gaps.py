@@ -133,7 +133,7 @@ def _refused_uneven(error: Exception, tensor_list: Any, tensor: Any, **_others: 
     return "invalid tensor size" in str(error) and _uneven(tensor_list, tensor)
 
 
-def _uneven(tensor_list: Any, tensor: Any, **_others: Any) -> bool:
+def _uneven(tensor_list: Any, tensor: Any) -> bool:
     """Whether ``all_gather``'s pieces differ in size from ``tensor`` (tensors all, else torch's call says why not)."""
     return isinstance(tensor_list, list) and isinstance(tensor, torch.Tensor) and all(
         isinstance(piece, torch.Tensor) for piece in tensor_list) and any(

@@ -295,6 +295,8 @@ _LOCK = threading.Lock()
 _ACTIVE: Tuple[Profile, ...] = ()  # replaced whole: a reader never sees half of it
 # Who holds the timing wrappers in comm's ledger (comm._ledger).
 _BY = "comm.profile()"
+# What comm's explicit calls ran before the open profile retargeted them: torch's functions.
+_RETARGETED: Dict[str, Callable[..., Any]] = {}
 
 
 def is_profiling() -> bool:
@@ -330,10 +332,6 @@ def _close(block: Profile) -> None:
             for name, original in _RETARGETED.items():
                 collectives.retarget(name, original)
             _RETARGETED.clear()
-
-
-# What comm's explicit calls ran before the open profile retargeted them: torch's functions.
-_RETARGETED: Dict[str, Callable[..., Any]] = {}
 
 
 def _install() -> None:
