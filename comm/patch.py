@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
-from comm import _ledger, norm, slot, translate
+from comm import _interpreter_exit, _ledger, norm, slot, translate
 from comm.translate import spawn as translate_spawn
 
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
@@ -64,8 +64,11 @@ def patch(clip_grad_norm: bool = True, devices: bool = True) -> None:
         if reason is not None:
             _LOG.warning("comm.patch() cannot stage: %s", reason)
             return
-        for group in slot.existing_groups():
+        groups = slot.existing_groups()
+        for group in groups:
             slot.equip(group)
+        if groups:
+            _interpreter_exit.hand_over_at_exit()
 
 
 def unpatch() -> None:
@@ -112,6 +115,7 @@ def _create_group(helper: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     group = created[0]  # (the group, its store)
     if isinstance(group, dist.ProcessGroup):
         slot.equip(group)
+    _interpreter_exit.hand_over_at_exit()  # c10d's worker threads exist now, member or not
     return created
 
 
