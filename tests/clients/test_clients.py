@@ -66,9 +66,11 @@ def torchrun(script, *args, mode, rank_0_only=False, **env):
 def reference_run(script, *args):
     """The framework's own run of ``script`` on a CPU-only machine, without comm (run once per session).
 
-    Plain torch sometimes aborts a rank at exit, after the run ended, with
-    ``terminate called without an active exception`` (a thread of gloo's still alive as
-    the process ends; seen once with Lightning): the oracle run is then made again, once.
+    Plain torch (2.13 on) sometimes aborts a rank at exit, after the run ended, with
+    ``terminate called without an active exception``: gloo's worker thread, starved of the
+    interpreter lock, releases a collective issued during backward after Python began
+    finalizing (comm/_interpreter_exit.py, which spares runs under comm). The oracle run is
+    then made again, once.
     """
     run = torchrun(script, *args, mode="reference")
     if run.returncode != 0 and "terminate called without an active exception" in run.stderr:
