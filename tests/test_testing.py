@@ -327,6 +327,13 @@ def _what_frameworks_read(rank, world_size):
     seen["attention"] = _fusion_attention_against_sdpa(torch_npu.npu_fusion_attention)
     seen["rotary"] = _rotary_mul_against_complex_rotation(torch_npu.npu_rotary_mul)
     seen["set_compile_mode"] = torch.npu.set_compile_mode(jit_compile=False)  # LLaMA-Factory's parser calls it
+    from torch_npu.npu import mstx  # verl imports it at import
+
+    ranged = mstx.mstx_range("step")(lambda value: value + 1)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        unnamed = mstx.range_start("")
+    seen["mstx"] = (mstx.mark("here"), mstx.range_start("load") > 0, unnamed, len(warned), ranged(1))
     return seen
 
 
@@ -382,6 +389,7 @@ def test_what_frameworks_read_from_torch_npu_before_any_collective():
     assert all(difference < 1e-5 for difference in seen["attention"].values()), seen["attention"]
     assert set(seen["rotary"]) == {"half", "interleave"} and max(seen["rotary"].values()) < 1e-5, seen["rotary"]
     assert seen["set_compile_mode"] is None
+    assert seen["mstx"] == (None, True, 0, 1, 2)  # torch_npu's answers: an id, 0 and a warning for no message
 
 
 def _dtensor_random(rank, world_size):

@@ -222,6 +222,7 @@ def _build_device_module(name: str, core: Any) -> types.ModuleType:
         "_lazy_call": lambda callback, **kwargs: callback(),  # the simulated device is initialised from the start
         # torch_npu's choice between CANN compiling kernels at run time and its prebuilt ones: nothing to choose here.
         "set_compile_mode": lambda jit_compile=True: None,
+        "mstx": _device_api.mstx,
         "amp": _device_api.amp_module(name),
         "current_stream": lambda device=None: torch.accelerator.current_stream(_index_of(device, core)),
         "stream": stream,

@@ -8,6 +8,7 @@ offset). Each mirrors the torch_npu source named beside it (Ascend/pytorch, mast
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
@@ -17,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["Generator", "amp_module", "event_class", "generators", "get_device_capability", "memory_stats",
+__all__ = ["Generator", "amp_module", "event_class", "generators", "get_device_capability", "memory_stats", "mstx",
            "stream_class", "tensor_types"]
 
 # torch's default seed (c10/core/GeneratorImpl.h, default_rng_seed_val), which a fresh
@@ -211,3 +212,51 @@ def event_class(device_type: str, current: Callable[[], int]) -> type:
 def generators(device_type: str, count: int) -> List[Generator]:
     """One generator per device, as ``default_generators`` holds them."""
     return [Generator(torch.device(device_type, index)) for index in range(count)]
+
+
+class mstx:  # noqa: N801  (torch_npu's name)
+    """``torch.<name>.mstx``: Ascend's profiling markers (MSTX), which mark nothing here.
+
+    As torch_npu/npu/mstx.py's class of static methods, which torch_npu/npu/__init__.py
+    puts at ``torch_npu.npu.mstx`` (``from .mstx import mstx``): ``mark``, ``range_start``
+    (a range's id; 0 with a warning for an empty message, as there), ``range_end`` and the
+    decorator ``mstx_range``, each taking the ``domain`` that torch_npu's later releases
+    add. Frameworks import it where torch_npu is present (verl's
+    ``verl/utils/profiler/mstx_profile.py``) and call it only while profiling, which the
+    simulated device has no profiler for.
+    """
+
+    _last_range = 0
+
+    @staticmethod
+    def mark(message: str = "", stream: Any = None, domain: str = "default") -> None:
+        """A marker at this point: nothing to record without a profiler."""
+
+    @staticmethod
+    def range_start(message: str = "", stream: Any = None, domain: str = "default") -> int:
+        """The id of a range that starts here (not 0), or 0 with a warning where ``message`` is empty."""
+        if not message:
+            warnings.warn("Invalid message for mstx.range_start func. Please input valid message string.",
+                          stacklevel=2)
+            return 0
+        mstx._last_range += 1
+        return mstx._last_range
+
+    @staticmethod
+    def range_end(range_id: int, domain: str = "default") -> None:
+        """The end of the range ``range_start`` returned."""
+
+    @staticmethod
+    def mstx_range(message: str, stream: Any = None, domain: str = "default") -> Callable[[Callable[..., Any]],
+                                                                                            Callable[..., Any]]:
+        """A decorator that runs its function inside a range named ``message``."""
+        def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(function)
+            def ranged(*args: Any, **kwargs: Any) -> Any:
+                range_id = mstx.range_start(message, stream, domain)
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    mstx.range_end(range_id, domain)
+            return ranged
+        return decorate

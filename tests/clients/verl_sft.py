@@ -21,7 +21,6 @@ import json
 import os
 import sys
 import tempfile
-import types
 from pathlib import Path
 from typing import Dict, List
 
@@ -40,25 +39,6 @@ WORLD_SIZE = 2
 LEARNING_RATE = 1e-2
 WEIGHT_DECAY = 0.01  # verl's default (optim.weight_decay)
 MAX_NORM = 1.0
-
-
-def stand_in_mstx() -> None:
-    """``torch_npu.npu.mstx`` (Ascend's profiling markers) on the simulated NPU's stand-in torch_npu, which lacks it.
-
-    verl imports it at import wherever torch_npu is present (verl/utils/profiler/mstx_profile.py:
-    ``from torch_npu.npu import mstx``) and calls it only when profiling; real torch_npu has it. Markers that
-    mark nothing, put beside the stand-in only (never where a real torch_npu is), until the stand-in has them.
-    """
-    torch_npu = sys.modules.get("torch_npu")
-    if not getattr(torch_npu, "__comm_simulated__", False) or hasattr(torch.npu, "mstx"):
-        return
-    mstx = types.ModuleType("torch_npu.npu.mstx", "Stand-in for torch_npu's MSTX markers (tests/clients/verl_sft.py).")
-    mstx.mark = lambda message="", stream=None: None
-    mstx.range_start = lambda message="", stream=None: 0
-    mstx.range_end = lambda range_id: None
-    mstx.mstx_range = lambda message="", stream=None: (lambda function: function)
-    torch.npu.mstx = mstx
-    sys.modules["torch_npu.npu.mstx"] = mstx
 
 
 def write_dataset(path: Path) -> None:
@@ -112,7 +92,6 @@ def train() -> None:
         write_dataset(folder / "train.parquet")
         logged = folder / "metrics.jsonl"
         os.environ["VERL_FILE_LOGGER_PATH"] = str(logged)  # verl's file logger (trainer.logger), rank 0's only
-        stand_in_mstx()
         from verl.trainer import sft_trainer
 
         sys.argv = [sys.argv[0], *overrides(folder)]
