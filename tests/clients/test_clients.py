@@ -463,10 +463,13 @@ def test_verl_sft_fails_on_a_cpu_only_machine():
 
 
 @VERL
-def test_verl_sft_under_comm_matches_one_process():
-    run = torchrun("verl_sft.py", mode="comm")
+@pytest.mark.parametrize("mode, device", [("comm", "npu"), ("cpu", "cpu")])
+def test_verl_sft_under_comm_matches_one_process(mode, device):
+    """On two simulated NPUs, and on a CPU-only machine, where comm makes verl's nccl group gloo and its
+    ``TensorDict.to(0)`` (torch's ``_parse_to``) lands on the CPU."""
+    run = torchrun("verl_sft.py", mode=mode)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert_ran_on(run.stdout, "npu (fsdp2, parameters on cpu)", ranks=(0,))
+    assert_ran_on(run.stdout, f"{device} (fsdp2, parameters on cpu)", ranks=(0,))
     reference = one_process_run("verl_sft.py", "--one-process")
     assert_ran_on(reference, "cpu (one process, parameters on cpu)", ranks=(0,))
     assert len(steps(run.stdout)[0]) == 3
