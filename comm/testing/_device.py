@@ -126,14 +126,20 @@ def _register_record_stream() -> None:
     _LIBRARIES.append(library)
 
 
+_COMPOSITES = ("CompositeExplicitAutogradNonFunctional", "CompositeExplicitAutograd", "CompositeImplicitAutograd")
+
+
 def _operators_with_composites() -> List[str]:
     """aten operators with a CPU kernel whose PrivateUse1 kernel would otherwise be a composite.
 
     Structured operators' (add, mul, ...) is a composite over their out= variant
     (CompositeExplicitAutogradNonFunctional); a few others' decomposes them into other
-    operators (CompositeExplicitAutograd: native_layer_norm's, native_group_norm's, ...),
-    whose numerics differ from the CPU kernel's. The simulated device runs the CPU's,
-    except where it has a kernel of its own (copy_, ...).
+    operators (CompositeExplicitAutograd: native_layer_norm's, native_group_norm's, ...;
+    CompositeImplicitAutograd, which a device without a kernel of its own takes before
+    autograd: mish_backward's, silu_backward's, native_channel_shuffle's), whose numerics
+    differ from the CPU kernel's. The simulated device runs the CPU's, except where it has
+    a kernel of its own (copy_, ...); with a kernel there, autograd treats the operator on
+    the device as on the CPU, where the implicit composite is not taken either.
     """
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     return [
@@ -141,8 +147,7 @@ def _operators_with_composites() -> List[str]:
         for name in torch._C._dispatch_get_all_op_names()
         if name.startswith("aten::")
         and has_kernel(name, "CPU")
-        and (has_kernel(name, "CompositeExplicitAutogradNonFunctional")
-             or has_kernel(name, "CompositeExplicitAutograd"))
+        and any(has_kernel(name, composite) for composite in _COMPOSITES)
         and not has_kernel(name, "PrivateUse1")
     ]
 
