@@ -411,8 +411,16 @@ def fast() -> Dict[str, Any]:
     return result
 
 
+def on_the_documented_release() -> bool:
+    """Whether this torch is the release docs/simulated-npu.md reports: op_db differs from release to release
+    (linear_cross_entropy came after 2.9), so what names ops by name holds fully there."""
+    return torch.__version__.split("+")[0] == _documented()[0]
+
+
 def test_fast_subset_runs_as_on_the_cpu(fast):
     wanted = sorted(f"{name} {dtype_name(dtype)}" for name, dtype in FAST)
+    if not on_the_documented_release():
+        wanted = [case for case in wanted if case in fast["cases"]]
     assert sorted(fast["results"]) == wanted, "FAST names cases op_db has not (an op the CPU runs in that dtype)"
     problems = _not_as_listed(fast["results"])
     assert not problems, "\n".join(problems)
@@ -421,7 +429,7 @@ def test_fast_subset_runs_as_on_the_cpu(fast):
 def test_docs_report_the_table_and_its_figures(fast):
     release, figures, table = _documented()
     assert table == CANNOT_RUN
-    if torch.__version__.split("+")[0] == release:  # op_db differs from release to release
+    if on_the_documented_release():
         assert figures == _coverage(fast)
 
 
@@ -432,10 +440,11 @@ def test_every_op_db_op_runs_as_on_the_cpu():
     assert sorted(results) == sorted(ranks[0]["cases"])
     problems = _not_as_listed(results)
     assert not problems, "\n".join(problems)
-    ops = {key.rsplit(" ", 1)[0] for key in results}
-    assert set(CANNOT_RUN) <= ops, "CANNOT_RUN names ops op_db has not"
-    for op, (_, dtypes, _) in CANNOT_RUN.items():
-        assert dtypes == EVERY_DTYPE or {f"{op} {dtype}" for dtype in dtypes.split(", ")} <= set(results), op
+    if on_the_documented_release():
+        ops = {key.rsplit(" ", 1)[0] for key in results}
+        assert set(CANNOT_RUN) <= ops, "CANNOT_RUN names ops op_db has not"
+        for op, (_, dtypes, _) in CANNOT_RUN.items():
+            assert dtypes == EVERY_DTYPE or {f"{op} {dtype}" for dtype in dtypes.split(", ")} <= set(results), op
 
 
 def _convolutions() -> List[Dict[str, Any]]:
