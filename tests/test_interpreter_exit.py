@@ -20,15 +20,31 @@ def _backward_stashes_a_python_object() -> bool:
     return "_stash_obj_in_tls" in inspect.getsource(torch.autograd.graph)
 
 
+# Plain runs made, at the most, to see torch's abort: on 2.13 every run aborts; on 2.15.0 about one in
+# three (4 of 12 here), so 16 miss it together about once in 600 suites.
+PLAIN_TRIES = 16
+
+
+def _first_abort() -> object:
+    """The first of up to PLAIN_TRIES plain runs that aborted, or the last run where none did."""
+    for _ in range(PLAIN_TRIES):
+        plain = _torchrun("--standalone", "--nproc-per-node", "2", SCRIPT)
+        if plain.returncode != 0:
+            break
+    return plain
+
+
 def test_a_collective_left_running_at_exit_aborts_plainly_and_ends_cleanly_under_comm():
-    plain = _torchrun("--standalone", "--nproc-per-node", "2", SCRIPT)
     if _backward_stashes_a_python_object():  # torch 2.13 on
+        plain = _first_abort()
         assert plain.returncode != 0 and ABORT in plain.stderr, plain.stderr
     else:
+        plain = _torchrun("--standalone", "--nproc-per-node", "2", SCRIPT)
         assert plain.returncode == 0, plain.stderr
-    under_comm = _torchrun("--standalone", "--nproc-per-node", "2", "-m", "comm", SCRIPT)
-    assert under_comm.returncode == 0, under_comm.stderr
-    assert ABORT not in under_comm.stderr
+    for _ in range(3):
+        under_comm = _torchrun("--standalone", "--nproc-per-node", "2", "-m", "comm", SCRIPT)
+        assert under_comm.returncode == 0, under_comm.stderr
+        assert ABORT not in under_comm.stderr
 
 
 def test_the_handler_is_registered_once(monkeypatch):
