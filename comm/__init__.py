@@ -49,7 +49,7 @@ from comm.profiler import Profile, profile, profile_if_asked
 from comm.slot import adopt_thread, communicators, equip, staged_types, staging_device, unavailable_reason
 
 # The one place the version is written: setup.cfg reads it (version = attr: comm.__version__).
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "JupyterCommWarning",

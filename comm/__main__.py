@@ -1,7 +1,7 @@
 """``python -m comm``: run a script or module with torch patched to use comm.
 
-    python -m comm [--no-clip] [--no-devices] [--simulate npu] script.py [args...]
-    python -m comm [--no-clip] [--no-devices] [--simulate npu] -m package.module [args...]
+    python -m comm [--no-devices] [--simulate npu] script.py [args...]
+    python -m comm [--no-devices] [--simulate npu] -m package.module [args...]
     torchrun --nproc-per-node 2 -m comm train.py --lr 1e-3
 """
 
@@ -14,36 +14,36 @@ from typing import List, Optional
 
 import comm
 
-USAGE = """usage: python -m comm [--no-clip] script.py [args...]
-       python -m comm [--no-clip] -m module [args...]
-       (--no-devices and --simulate NAME go before the script too)
+USAGE = """usage: python -m comm [--no-devices] script.py [args...]
+       python -m comm [--no-devices] -m module [args...]
+       (--simulate NAME goes before the script too)
 
 Runs the script or module as __main__, with its own arguments, after comm.patch():
 every process group gets comm's staging backend for the devices its own backend
 does not serve, so every collective and point-to-point call on a tensor there
-(from torch.distributed, DTensor, DDP, FSDP, DCP) is staged onto one it does; and
-torch.nn.utils.clip_grad_norm_ becomes comm's. In a process without CUDA, CUDA-only
+(from torch.distributed, DTensor, DDP, FSDP, DCP, torch.nn.utils.clip_grad_norm_)
+is staged onto one it does. In a process without CUDA, CUDA-only
 calls (torch.cuda.set_device, .cuda(), "cuda" devices, "nccl") act on this
 process's accelerator, or on the CPU where there is none.
 
 options:
-  --no-clip        leave torch.nn.utils.clip_grad_norm_ as it is
+  --no-clip        accepted for older command lines; torch's clip_grad_norm_ is
+                   left as it is in any case
   --no-devices     translate no CUDA call (COMM_TRANSLATE=0 does the same)
   --simulate NAME  run on the simulated accelerator NAME (npu, or npu:hccl), as
                    COMM_SIMULATE=NAME does; spawned children simulate it too
   -m MODULE        run a module, as python -m does
-  -h, --help       show this message
-
-Code that imported clip_grad_norm_ by name before the patch keeps torch's."""
+  -h, --help       show this message"""
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    clip = devices = True
+    devices = True
     while args and args[0] in ("--no-clip", "--no-devices", "--simulate", "-h", "--help"):
         option = args.pop(0)
         if option == "--no-clip":
-            clip = False
+            print("python -m comm: --no-clip is no longer needed: torch's clip_grad_norm_ is never replaced",
+                  file=sys.stderr)
         elif option == "--no-devices":
             devices = False
             os.environ["COMM_TRANSLATE"] = "0"  # for children patched at their import as well
@@ -63,7 +63,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit("python -m comm: -m needs a module name")
     if args[0] != "-m" and not os.path.isfile(args[0]):
         sys.exit(f"python -m comm: can't open file {args[0]!r}: no such file")
-    comm.patch(clip_grad_norm=clip, devices=devices)
+    comm.patch(devices=devices)
     if args[0] == "-m":
         module, rest = args[1], args[2:]
         sys.argv = [module, *rest]

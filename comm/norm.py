@@ -59,7 +59,8 @@ def clip_grad_norm_(parameters: TensorOrTensors, max_norm: float, norm_type: flo
     is used when present, else ``param.grad``; the norm is reduced as in
     :func:`total_norm`; the gradients are scaled by ``max_norm / (total + 1e-6)``
     clamped to 1, DTensors on their local tensors. Returns the total norm before
-    clipping.
+    clipping, reduced, as a plain tensor (torch's returns a DTensor for DTensor
+    gradients). These extensions are why the drop-in mode leaves torch's in place.
     """
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     max_norm = float(max_norm)

@@ -8,10 +8,11 @@ whenever (torch_npu puts a copy of its own there, inside ``import torch`` or at 
 later ``import torch_npu``: comm wraps that one); groups split from an equipped
 group (``split_group``) get comm's backend from its split. It replaces none of
 torch's collectives: c10d hands the calls on unserved devices to comm's backend,
-and every other call is torch's alone. Unless told not to, it also puts
-:func:`comm.clip_grad_norm_` in place of torch's (one collective for all the
-gradients, whatever their devices). What it replaces is recorded in comm's one
-ledger of replacements (:mod:`comm._ledger`), which :func:`unpatch` restores from.
+and every other call is torch's alone, ``torch.nn.utils.clip_grad_norm_`` included:
+its reductions reach comm's backend like any other call, so it answers as it does
+without comm (:func:`comm.clip_grad_norm_` is there to call by name). What it
+replaces is recorded in comm's one ledger of replacements (:mod:`comm._ledger`),
+which :func:`unpatch` restores from.
 """
 
 from __future__ import annotations
@@ -25,29 +26,27 @@ from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
-from comm import _interpreter_exit, _ledger, norm, slot, translate
+from comm import _interpreter_exit, _ledger, slot, translate
 from comm.translate import spawn as translate_spawn
 
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
 
 _LOG = logging.getLogger("comm")
-_CLIP_MODULES = ("torch.nn.utils", "torch.nn.utils.clip_grad")
 _LOCK = threading.RLock()
 # Who holds the drop-in mode's replacements in comm's ledger (comm._ledger).
 _BY = "comm.patch()"
 
 
-def patch(clip_grad_norm: bool = True, devices: bool = True) -> None:
-    """Equip every process group, now and to come, with comm's staging backend; and replace ``clip_grad_norm_``.
+def patch(devices: bool = True) -> None:
+    """Equip every process group, now and to come, with comm's staging backend.
 
     With ``devices`` (the default), in a process without CUDA, CUDA-only calls act on
     this process's accelerator or the CPU (:mod:`comm.translate`). Idempotent and
     thread-safe. Where comm's backend cannot be built here it says so once and
     stages nothing (comm's explicit calls still stage in Python).
     """
-    for name, value in (("clip_grad_norm", clip_grad_norm), ("devices", devices)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    if not isinstance(devices, bool):
+        raise TypeError(f"devices must be a bool, got {type(devices).__name__}")
     with _LOCK:
         if devices:
             translate.install()
@@ -56,9 +55,6 @@ def patch(clip_grad_norm: bool = True, devices: bool = True) -> None:
             # Followed, not just replaced: a plugin that puts its own helper there later
             # (torch_npu imported after comm) gets comm's wrapper in front of it too.
             _ledger.follow(importlib.import_module(module_name), name, _create_group, by=_BY)
-        if clip_grad_norm:
-            for module_name in _CLIP_MODULES:
-                _install(module_name, "clip_grad_norm_", norm.clip_grad_norm_)
         _install("multiprocessing.spawn", "get_command_line", translate_spawn.get_command_line)
         reason = slot.unavailable_reason()
         if reason is not None:
@@ -83,17 +79,17 @@ def unpatch() -> None:
 
 
 def is_patched() -> bool:
-    """Whether comm is currently watching group creation (or replacing ``clip_grad_norm_``)."""
+    """Whether comm is currently watching group creation."""
     return bool(_ledger.held(_BY))
 
 
 @contextlib.contextmanager
-def patched(clip_grad_norm: bool = True, devices: bool = True) -> Iterator[None]:
+def patched(devices: bool = True) -> Iterator[None]:
     """Patch inside a ``with`` block; nests, and undoes only what it patched itself."""
     with _LOCK:
         before = _ledger.held(_BY)
         translated = translate.is_installed()
-        patch(clip_grad_norm, devices)
+        patch(devices)
         added = _ledger.held(_BY) - before
     try:
         yield

@@ -134,7 +134,7 @@ CASES = [
      "parameters must be tensors, got float"),
     ("total_norm negative p", lambda t, m: comm.total_norm([t], norm_type=-2), ValueError,
      "norm_type must be p > 0, 0, inf or -inf, got -2"),
-    ("patch flag", lambda t, m: comm.patch(clip_grad_norm="yes"), TypeError, "clip_grad_norm must be a bool, got str"),
+    ("patch flag", lambda t, m: comm.patch(devices="yes"), TypeError, "devices must be a bool, got str"),
     ("simulate built-in name", lambda t, m: comm.testing.simulate_accelerator(name="cuda"), ValueError,
      "name must not be a built-in device type, got 'cuda'"),
     ("simulate device_count", lambda t, m: comm.testing.simulate_accelerator(device_count=0), ValueError,

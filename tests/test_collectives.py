@@ -183,7 +183,7 @@ def _cpu_tensors_on_simulated_hccl(rank, world_size):
                 expected = _outcome(dist, call, on_npu, async_op)
                 on_cpu = make(dtype, True)
                 through_comm = _outcome(comm, call, on_cpu, async_op)
-                with comm.patched(clip_grad_norm=False):
+                with comm.patched():
                     through_patch = _outcome(dist, call, make(dtype, True), async_op)
                 for label, got in (("comm", through_comm), ("patched torch", through_patch)):
                     if got[0] != "ok" or expected[0] != "ok":

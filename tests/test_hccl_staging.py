@@ -43,7 +43,7 @@ def _coalesced_blocks(rank, group):
 
 
 def _acceptance(rank, world_size):
-    comm.patch(clip_grad_norm=False)
+    comm.patch()
     try:
         group = dist.group.WORLD
         gloo = dist.new_group([0, 1], backend="gloo")
@@ -162,7 +162,7 @@ def _staged_cost(rank, world_size):
 
     from comm.testing import reset_counters
 
-    with comm.patched(clip_grad_norm=False):
+    with comm.patched():
         seen = {}
         total = sum(_values(r, 4096) for r in range(world_size))
         dist.all_reduce(torch.zeros(1))  # the first call makes the communicator
@@ -225,7 +225,7 @@ def test_get_future_returns_before_the_collective_ends(staged_cost):
 
 def _pipelined(rank, world_size):
     """All-reduces of host tensors above and below the chunk size (COMM_STAGING_CHUNK_BYTES=4096: 1,024 floats)."""
-    with comm.patched(clip_grad_norm=False):
+    with comm.patched():
         seen = {}
         for numel, op in ((10_000, dist.ReduceOp.SUM), (10_000, dist.ReduceOp.AVG), (2_000, dist.ReduceOp.SUM)):
             tensor = _values(rank, numel)

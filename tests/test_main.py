@@ -21,7 +21,7 @@ REPORT = textwrap.dedent(
         "argv": sys.argv,
         "name": __name__,
         "collectives": comm.is_patched(),
-        "clip": hasattr(torch.nn.utils.clip_grad_norm_, "__comm_replaces__"),
+        "clip replaced": hasattr(torch.nn.utils.clip_grad_norm_, "__comm_replaces__"),
     }))
     sys.exit(3)
     """
@@ -43,9 +43,10 @@ def test_script_runs_patched_with_its_argv_and_exit_code(tmp_path):
     result = _comm(str(script), "--lr", "1e-3", "extra")
     assert result.returncode == 3, result.stderr
     assert _report(result) == {"argv": [str(script), "--lr", "1e-3", "extra"], "name": "__main__",
-                               "collectives": True, "clip": True}
-    no_clip = _report(_comm("--no-clip", str(script)))
-    assert no_clip["collectives"] and not no_clip["clip"]
+                               "collectives": True, "clip replaced": False}
+    old_line = _comm("--no-clip", str(script))  # the flag of releases that replaced the clip: still accepted
+    assert _report(old_line) == {**_report(result), "argv": [str(script)]}
+    assert "--no-clip is no longer needed" in old_line.stderr
 
 
 def test_module_runs_patched_with_its_argv(tmp_path):
@@ -54,7 +55,7 @@ def test_module_runs_patched_with_its_argv(tmp_path):
     assert result.returncode == 3, result.stderr
     report = _report(result)
     assert report["argv"][1:] == ["a", "--b"] and report["argv"][0].endswith("trainer_module.py")
-    assert report["name"] == "__main__" and report["collectives"] and report["clip"]
+    assert report["name"] == "__main__" and report["collectives"] and not report["clip replaced"]
 
 
 def test_exceptions_show_the_users_traceback(tmp_path):
@@ -69,7 +70,7 @@ def test_exceptions_show_the_users_traceback(tmp_path):
 def test_help_and_usage_errors(tmp_path, capsys):
     """In this process: the errors come before anything is patched."""
     comm_main.main(["--help"])
-    assert "python -m comm [--no-clip] script.py" in capsys.readouterr().out
+    assert "python -m comm [--no-devices] script.py" in capsys.readouterr().out
     for argv, message in [([], "expected a script or -m module"), (["-m"], "-m needs a module name"),
                           ([str(tmp_path / "absent.py")], "no such file")]:
         with pytest.raises(SystemExit, match=message):

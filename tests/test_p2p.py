@@ -133,7 +133,7 @@ def _cpu_tensors_on_simulated_hccl(rank, world_size):
     for dtype in (torch.float32, torch.int64):  # HCCL cannot receive from any source (tests/test_simulated_hccl.py)
         expected = _exchanges(dist, group, dtype, True, device=npu, any_source=False)
         got = _exchanges(comm, group, dtype, True, device="cpu", any_source=False)
-        with comm.patched(clip_grad_norm=False):
+        with comm.patched():
             patched = _exchanges(dist, group, dtype, True, device="cpu", any_source=False)
         for kind in expected:
             for label, values in (("comm", got), ("patched torch", patched)):

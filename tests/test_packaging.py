@@ -108,7 +108,7 @@ def test_wheel_installs_and_imports_outside_the_checkout(wheel, tmp_path):
 
     usage = _run(python, "-m", "comm", "--help", cwd=tmp_path)
     assert usage.returncode == 0, usage.stderr
-    assert usage.stdout.startswith("usage: python -m comm [--no-clip] script.py")
+    assert usage.stdout.startswith("usage: python -m comm [--no-devices] script.py")
 
 
 def test_beside_jupyters_comm_import_warns(wheel, tmp_path):

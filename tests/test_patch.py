@@ -20,12 +20,12 @@ from comm import _ledger
 import thirdparty
 from multiproc import NPU, SEED_ERROR, run_ranks
 
-# What comm.patch() replaces: where c10d creates groups, and clip_grad_norm_. torch's
-# collectives it leaves alone: c10d routes the staged devices' calls to comm's backend.
+# What comm.patch() replaces: where c10d creates groups. torch's collectives and its clip it
+# leaves alone: c10d routes the staged devices' calls to comm's backend.
 CREATION = [(c10d, "_new_process_group_helper")]
-COLLECTIVES = [(m, n) for m in (dist, c10d) for n in ("all_reduce", "broadcast", "isend", "batch_isend_irecv")]
-CLIP_PLACES = [(torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_norm_")]
-PLACES = CREATION + CLIP_PLACES
+PLACES = CREATION
+UNTOUCHED = [(m, n) for m in (dist, c10d) for n in ("all_reduce", "broadcast", "isend", "batch_isend_irecv")] + [
+    (torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_norm_")]
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +34,7 @@ def restore_torch():
     comm.unpatch()
 
 
-def _snapshot(places=PLACES + COLLECTIVES):
+def _snapshot(places=PLACES + UNTOUCHED):
     return {(m.__name__, n): getattr(m, n) for m, n in places}
 
 
@@ -48,26 +48,22 @@ def test_patch_and_unpatch_restore_the_exact_objects():
         assert stand_in is not replaced and stand_in.__comm_replaces__ is replaced
         assert stand_in.__name__ == replaced.__name__ and stand_in.__doc__ == replaced.__doc__
         assert inspect.signature(stand_in) == inspect.signature(replaced)
-    assert all(_snapshot(COLLECTIVES)[key] is originals[key] for key in _snapshot(COLLECTIVES))  # torch's own
+    assert all(_snapshot(UNTOUCHED)[key] is originals[key] for key in _snapshot(UNTOUCHED))  # torch's own
     comm.unpatch()
     assert not comm.is_patched()
     assert all(_snapshot()[k] is v for k, v in originals.items())
 
 
-def test_patch_is_idempotent_and_clip_is_optional():
+def test_patch_is_idempotent():
     originals = _snapshot()
-    comm.patch(clip_grad_norm=False)
+    comm.patch()
     first = _snapshot()
-    assert torch.nn.utils.clip_grad_norm_ is originals[("torch.nn.utils", "clip_grad_norm_")]
-    comm.patch(clip_grad_norm=False)
+    comm.patch()
     assert _snapshot() == first
-    comm.patch()  # adds the clip patch, keeps the rest
-    assert c10d._new_process_group_helper is first[(c10d.__name__, "_new_process_group_helper")]
-    assert torch.nn.utils.clip_grad_norm_.__comm_replaces__ is originals[("torch.nn.utils", "clip_grad_norm_")]
     comm.unpatch()
     assert all(_snapshot()[k] is v for k, v in originals.items())
-    with pytest.raises(TypeError, match="clip_grad_norm must be a bool"):
-        comm.patch(clip_grad_norm="yes")
+    with pytest.raises(TypeError, match="devices must be a bool"):
+        comm.patch(devices="yes")
 
 
 def test_patched_context_manager_nests():
@@ -77,7 +73,7 @@ def test_patched_context_manager_nests():
         with comm.patched():
             assert c10d._new_process_group_helper is outer  # already patched: the inner block adds nothing
         assert c10d._new_process_group_helper is outer
-        with comm.patched(clip_grad_norm=False):
+        with comm.patched(devices=False):
             pass
         assert comm.is_patched()
     assert c10d._new_process_group_helper is original and not comm.is_patched()
@@ -120,7 +116,7 @@ def _threads_patching_and_calling(rank, world_size):
                 value = torch.full((3,), float(index))
                 dist.all_reduce(value)  # whichever function is in place now: both are right
                 results.append(torch.equal(value, torch.full((3,), float(index))))
-                with comm.patched(clip_grad_norm=False):
+                with comm.patched():
                     pass
                 if step % 7 == 0:
                     comm.unpatch()
@@ -156,7 +152,7 @@ def _third_party_library(rank, world_size):
         seen["comm_still_works"] = comm.all_reduce(torch.ones(1)) is None  # no recursion
         params = [torch.zeros(3, requires_grad=True)]
         params[0].grad = torch.full((3,), 4.0)
-        seen["clip"] = torch.nn.utils.clip_grad_norm_(params, 1.0)  # comm's, group=None: local
+        seen["clip"] = torch.nn.utils.clip_grad_norm_(params, 1.0)  # torch's own: local
     seen["unpatched_again"] = not comm.is_patched()
     return seen
 

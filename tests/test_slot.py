@@ -436,7 +436,7 @@ def _staged_on_one_rank(name, layout, async_op):
     call, _ = _ONE_RANK_CALLS[name]
     tensor, out = _caller_tensors(layout)
     before = (_what_the_caller_sees(tensor), _what_the_caller_sees(out))
-    with comm.patched(clip_grad_norm=False, devices=False):
+    with comm.patched(devices=False):
         work = call(tensor, out, async_op)
         if async_op:
             work.wait()
@@ -459,7 +459,7 @@ def test_a_staged_collective_on_one_rank_writes_the_one_process_result_into_the_
 def _future_of_a_staged_all_reduce():
     """Whether an async staged all_reduce's future gives the caller's own tensor, with the result in it."""
     tensor = _one_rank_values()
-    with comm.patched(clip_grad_norm=False, devices=False):
+    with comm.patched(devices=False):
         [value] = dist.all_reduce(tensor, async_op=True).get_future().wait()
     return {"the caller's tensor": value is tensor, "values": value.clone()}
 
@@ -474,7 +474,7 @@ def _cost_of_one_staged_all_reduce():
     """comm.stats() and the device's counters for one staged all_reduce of a CPU tensor, counted from zero."""
     from comm.testing import device_counters, reset_counters
 
-    with comm.patched(clip_grad_norm=False, devices=False):
+    with comm.patched(devices=False):
         dist.all_reduce(torch.zeros(1))  # the first call makes the communicator: not counted
         comm.reset_stats()
         reset_counters()

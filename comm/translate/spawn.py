@@ -4,7 +4,7 @@ A spawned child is a fresh interpreter that imports the parent's script but not 
 patched the parent, so a tutorial's ``mp.spawn(main, nprocs=...)`` under ``python -m
 comm`` would run its ranks on plain torch. While patched, the command line
 ``multiprocessing`` builds for a spawned child first imports comm and patches it the
-way this process is patched (clipping and device translation as here), before the
+way this process is patched (device translation as here), before the
 child loads the parent's ``__main__`` or unpickles its target. ``COMM_SIMULATE`` in
 the environment (``python -m comm --simulate npu``) sets up the simulated accelerator
 in the child at that import, as in the parent.
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import multiprocessing.spawn
 from typing import Any, List
-
-import torch.nn.utils
 
 from comm import translate
 
@@ -35,9 +33,7 @@ def get_command_line(**kwargs: Any) -> List[str]:
 
 
 def _prelude() -> str:
-    # comm.patch's stand-ins name what they replace; torch's own clip_grad_norm_ does not.
-    clip = hasattr(torch.nn.utils.clip_grad_norm_, "__comm_replaces__")
     devices = translate.is_installed()
     return ("import importlib.util\n"
             "if importlib.util.find_spec('comm') is not None:\n"
-            f"    import comm; comm.patch(clip_grad_norm={clip}, devices={devices})\n")
+            f"    import comm; comm.patch(devices={devices})\n")
