@@ -22,6 +22,12 @@ PRIVATE_NAMES: Dict[str, str] = {
         "the group's own backend for a device type: its name, options and split",
     "torch.distributed.ProcessGroup._device_types":
         "which device types a group's slots already serve",
+    "torch.distributed.ProcessGroup._start_coalescing":
+        "where torch opens a coalescing block on one device type's backend: comm follows a block opened on the "
+        "group's own backend, which its calls on the other device type join",
+    "torch.distributed.ProcessGroup._end_coalescing":
+        "the work that ends such a block, the one torch's coalescing manager waits for: comm's calls in the block "
+        "complete with it",
     "torch.distributed.ProcessGroup._set_group_name":
         "c10d reads a group's name from its first backend; comm's must carry it",
     "torch.distributed.distributed_c10d._world":

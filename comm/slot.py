@@ -66,6 +66,8 @@ _LABELS = (_TYPE.CUSTOM, _TYPE.MPI, _TYPE.UCC)
 _BUILTIN_TYPES = {"gloo": _TYPE.GLOO, "nccl": _TYPE.NCCL, "xccl": _TYPE.XCCL, "ucc": _TYPE.UCC, "mpi": _TYPE.MPI}
 # Per group: whether equipped_once() has equipped it (False: comm's backend cannot be built here).
 _EQUIPPED = GroupCache()
+# Whether ProcessGroup's coalescing blocks are followed (_follow_coalescing_blocks).
+_FOLLOWING = False
 
 
 def unavailable_reason() -> Optional[str]:
@@ -106,8 +108,38 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
             pg._register_backend(torch.device(device_type), label, backend)
         pg._set_group_name(facts.name)  # c10d reads the name from the first backend by device type: put it back
         native.route_mixed_devices()
+        _follow_coalescing_blocks(native)
         _LOG.info("comm stages %s on group %r onto %s", ", ".join(missing), facts.name, target)
         return _staged_on(pg)
+
+
+def _follow_coalescing_blocks(native: Any) -> None:
+    """Once per process: a coalescing block torch opens on a group's own backend reaches comm's backend too.
+
+    torch opens a block (``batch_isend_irecv``, ``_coalescing_manager(group, device)``) on
+    the backend of one device type only, and its manager waits for the work that ends
+    that block alone. Where that is the group's own backend, comm's calls on the other
+    device type join the block (they run on that backend), and comm's backend, told
+    here, hands their write-backs to the work that ends it. On groups comm has not
+    equipped both calls are torch's alone.
+    """
+    global _FOLLOWING
+    if _FOLLOWING:
+        return
+    torch_start, torch_end = dist.ProcessGroup._start_coalescing, dist.ProcessGroup._end_coalescing
+
+    def _start_coalescing(self: dist.ProcessGroup, device_type: torch.device) -> None:
+        torch_start(self, device_type)
+        native.follow_block(self, device_type)
+
+    def _end_coalescing(self: dist.ProcessGroup, device_type: torch.device) -> Any:
+        return native.close_block(self, device_type, torch_end(self, device_type))
+
+    _start_coalescing.__wrapped__ = torch_start  # type: ignore[attr-defined]
+    _end_coalescing.__wrapped__ = torch_end  # type: ignore[attr-defined]
+    dist.ProcessGroup._start_coalescing = _start_coalescing  # type: ignore[method-assign,assignment]
+    dist.ProcessGroup._end_coalescing = _end_coalescing  # type: ignore[method-assign,assignment]
+    _FOLLOWING = True
 
 
 def existing_groups() -> List[dist.ProcessGroup]:

@@ -46,7 +46,7 @@ Tensors StagingBackend::chunksOf(const Tensors& tensors) {
   communicator(); // fixes the target
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (target_.is_cpu() || (coalescing_ && coalescingThread_ == std::this_thread::get_id())) return {};
+    if (target_.is_cpu() || inBlock()) return {};
   }
   Tensors chunks;
   auto flat = tensor.view(-1);

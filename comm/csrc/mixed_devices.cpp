@@ -34,20 +34,21 @@ namespace {
 using Devices = c10::SmallVector<c10::Device, 2>;
 
 // The device type the group's own backend serves among `devices` (the accelerator where
-// it serves both), or none: the group is not equipped, or serves none of them.
-std::optional<c10::Device> targetOf(c10d::ProcessGroup& group, const Devices& devices) {
-  bool equipped = false;
+// it serves both), or none: the group is not equipped, or serves none of them. `staging`:
+// comm's backend on the group.
+std::optional<c10::Device> targetOf(c10d::ProcessGroup& group, const Devices& devices, StagingBackend*& staging) {
+  staging = nullptr;
   std::optional<c10::Device> target;
   for (const auto& type : group.getDeviceTypes()) {
-    if (dynamic_cast<StagingBackend*>(group.getBackend(type.type()).get()) != nullptr) {
-      equipped = true;
+    if (auto* backend = dynamic_cast<StagingBackend*>(group.getBackend(type.type()).get())) {
+      staging = backend;
       continue;
     }
     for (const auto& device : devices) {
       if (device.type() == type.type() && (!target || target->is_cpu())) target = device;
     }
   }
-  return equipped ? target : std::nullopt;
+  return staging != nullptr ? target : std::nullopt;
 }
 
 void noteDevice(const at::Tensor& tensor, Devices& devices) {
@@ -162,7 +163,8 @@ void routeByDevices(const c10::OperatorHandle& op, c10::DispatchKeySet keys, tor
   auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::BackendSelect);
   if (devices.size() < 2 || !groupAt) return op.redispatchBoxed(below, stack);
   auto group = (*stack)[first + *groupAt].toCustomClass<c10d::ProcessGroup>();
-  auto target = targetOf(*group, devices);
+  StagingBackend* staging = nullptr;
+  auto target = targetOf(*group, devices, staging);
   if (!target) return op.redispatchBoxed(below, stack);
   Copies copies(*target);
   for (size_t i = 0; i < arguments.size(); ++i) {
@@ -181,9 +183,14 @@ void routeByDevices(const c10::OperatorHandle& op, c10::DispatchKeySet keys, tor
     auto& value = (*stack)[i];
     if (value.isCustomClass()) {
       auto work = value.toCustomClass<c10d::Work>();
-      auto type = work->retrieveOpType();
-      WorkPtr staged = c10::make_intrusive<StagedWork>(std::vector<WorkPtr>{work},
-                                                       std::vector<std::shared_ptr<WriteBack>>{back}, type);
+      // Inside the thread's coalescing block the call is the block's, as the staging
+      // backend's calls are (StagingBackend::stage): the block's work completes it.
+      WorkPtr staged = doneWork();
+      if (!staging->joinBlock(work, back)) {
+        staged = c10::make_intrusive<StagedWork>(std::vector<WorkPtr>{work},
+                                                 std::vector<std::shared_ptr<WriteBack>>{back},
+                                                 work->retrieveOpType());
+      }
       value = c10::IValue(staged); // as a c10d Work, the class torch registered
     } else {
       value = copies.restore(value);

@@ -1,6 +1,7 @@
 // The Python face of comm's native part: make a staging backend, read its counters.
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 #include "staging.h"
@@ -42,6 +43,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     if (staging == nullptr) return std::nullopt;
     return staging->target();
   });
+  m.def(
+      "follow_block",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const c10::Device& device) {
+        if (auto* staging = followerOf(*group, device.type())) staging->followBlock();
+      },
+      "torch opened a coalescing block on `group`'s own backend for `device` from this thread: comm's calls from "
+      "this thread join it.");
+  m.def(
+      "close_block",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const c10::Device& device,
+         std::optional<WorkPtr> work) -> std::optional<WorkPtr> {
+        auto* staging = followerOf(*group, device.type());
+        auto closed = staging != nullptr ? staging->closeFollowedBlock(work.value_or(WorkPtr())) : work.value_or(WorkPtr());
+        if (!closed) return std::nullopt;
+        return closed;
+      },
+      "The work that ends a block `follow_block` followed, given the one `group`'s own backend returned: it "
+      "completes comm's calls in the block too.");
   m.def("route_mixed_devices", &routeMixedDevices,
         "Collectives whose tensors lie on the CPU and an accelerator stage on an equipped group's own backend.");
   m.def("tallies", []() {

@@ -1,4 +1,5 @@
 // The work of a staged call, and the write-back that completes it.
+#include <algorithm>
 #include <thread>
 
 #include <ATen/core/ivalue.h>
@@ -131,9 +132,11 @@ void rethrowStaged(const std::string& what) {
 }
 
 StagedWork::StagedWork(std::vector<WorkPtr> inner, std::vector<std::shared_ptr<WriteBack>> backs, c10d::OpType type,
-                       std::optional<c10::Stream> stream, Tensors results)
+                       std::optional<c10::Stream> stream, Tensors results, bool callerReads)
     : Work(-1, type), inner_(std::move(inner)), backs_(std::move(backs)), stream_(stream),
-      results_(std::move(results)) {}
+      results_(std::move(results)), callerReads_(callerReads) {
+  inner_.erase(std::remove(inner_.begin(), inner_.end(), WorkPtr()), inner_.end());
+}
 
 void StagedWork::writeAll() {
   c10::OptionalStreamGuard guard(stream_);
@@ -178,16 +181,33 @@ Tensors StagedWork::result() {
   return all;
 }
 
+std::optional<c10::Stream> StagedWork::callersStream() const {
+  if (!callerReads_ || !stream_) return std::nullopt;
+  return c10::impl::getDeviceGuardImpl(stream_->device_type())->getStream(stream_->device());
+}
+
 void StagedWork::synchronize() {
+  auto caller = callersStream();
   c10::OptionalStreamGuard guard(stream_);
-  for (auto& work : inner_) work->synchronize();
+  for (auto& work : inner_) {
+    if (caller) {
+      c10::StreamGuard onCaller(*caller);
+      work->synchronize();
+    }
+    work->synchronize();
+  }
 }
 
 bool StagedWork::wait(std::chrono::milliseconds timeout) {
+  auto caller = callersStream();
   c10::OptionalStreamGuard guard(stream_); // the collective's wait() orders the stream the call was staged on
   bool paired = inner_.size() == backs_.size();
   for (size_t i = 0; i < inner_.size(); ++i) {
     try {
+      if (caller) {
+        c10::StreamGuard onCaller(*caller);
+        inner_[i]->wait(timeout);
+      }
       inner_[i]->wait(timeout);
     } catch (...) {
       rethrowStaged(backs_.at(std::min(i, backs_.size() - 1))->what());

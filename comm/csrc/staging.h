@@ -33,6 +33,10 @@
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+namespace c10d {
+class ProcessGroup;
+} // namespace c10d
+
 namespace comm_native {
 
 using Tensors = std::vector<at::Tensor>;
@@ -112,8 +116,12 @@ class StagedWork final : public c10d::Work {
   // on (StagingBackend::waitStream); none: the caller's current stream. Where there are
   // as many works as write-backs, each write-back belongs to its work. `results`: the
   // work's result, where it is not the write-backs' (a chunked call's whole tensor).
+  // `callerReads`: the works also wrote the caller's own tensors (a coalescing block's
+  // work, whose block holds calls on served devices too): wait() orders the caller's
+  // current stream after them as well, as the group's own work would. Null works (a
+  // call that joined a block returns none) are left out.
   StagedWork(std::vector<WorkPtr> inner, std::vector<std::shared_ptr<WriteBack>> backs, c10d::OpType type,
-             std::optional<c10::Stream> stream = std::nullopt, Tensors results = {});
+             std::optional<c10::Stream> stream = std::nullopt, Tensors results = {}, bool callerReads = false);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -128,15 +136,19 @@ class StagedWork final : public c10d::Work {
  private:
   // The write-backs' three steps, each for every write-back before the next step.
   void writeAll();
+  // Where `callerReads`: the caller's current stream, which wait() orders after the
+  // works as well as `stream`; else none.
+  std::optional<c10::Stream> callersStream() const;
 
   std::vector<WorkPtr> inner_;
   std::vector<std::shared_ptr<WriteBack>> backs_;
   std::optional<c10::Stream> stream_;
   Tensors results_;
+  bool callerReads_;
 };
 
-// A finished work, for calls that return before the communicator runs them (inside
-// a coalescing block of a communicator that coalesces: endCoalescing's work runs them).
+// A finished work, for calls inside a coalescing block: the work that ends the block
+// completes them.
 WorkPtr doneWork();
 
 // Rethrows the exception in flight with `what` (what a call staged) added to its message.
@@ -236,7 +248,11 @@ class StagingBackend final : public c10d::Backend {
 
   const std::string getBackendName() const override { return "comm"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
-  bool supportsCoalescing() const override { return true; }
+  // Whether the communicator of the group's kind coalesces (nccl, hccl; gloo does not).
+  // torch's batch_isend_irecv opens a block only where the backend of its first op's
+  // device says so; on a gloo group it then issues each op on its own and returns every
+  // op's work, as it does for the group's own CPU ops.
+  bool supportsCoalescing() const override { return coalesces_; }
   bool supportsSplitting() const override { return true; }
   void setTimeout(std::chrono::milliseconds timeout) override;
   void startCoalescing() override;
@@ -278,6 +294,23 @@ class StagingBackend final : public c10d::Backend {
   // Makes the calling thread the group's thread (see the class comment).
   void adoptThread();
 
+  // Coalescing blocks. torch opens a block on the backend of one device type (c10d's
+  // startCoalescing on that slot); calls on the other type, comm's, must complete with
+  // the work that ends it, the only one torch's coalescing manager waits for. A block
+  // on comm's slot is comm's own (startCoalescing, endCoalescing above). A block torch
+  // opens on the group's own backend is followed: comm is told by ProcessGroup's
+  // _start_coalescing and _end_coalescing (comm/slot.py), and its staged calls from that
+  // thread run on the group's own backend, joining the block, until it ends.
+  void followBlock();
+  // `blockWork`: what the group's own backend's endCoalescing returned (may be none). The
+  // work that completes both the block and comm's calls in it; `blockWork` itself where
+  // comm staged nothing in it.
+  WorkPtr closeFollowedBlock(WorkPtr blockWork);
+  // A call the mixed-device kernel issued on the group's own backend from the calling
+  // thread: where that thread has a block open, its work (may be none) and write-back
+  // join the block (the block's work completes them) and this returns true.
+  bool joinBlock(const WorkPtr& work, const std::shared_ptr<WriteBack>& back);
+
  private:
   // A reduction's facts that decide where it runs: its c10d function (the group's
   // backend may accept a dtype in one function and not another) and its tensors.
@@ -314,8 +347,14 @@ class StagingBackend final : public c10d::Backend {
   // the group's thread, else comm's, made at the first such call. Fixes the target at
   // the first staged call.
   c10d::Backend& communicator();
-  // Whether the calling thread is the group's thread and the group's own backend serves it.
+  // Whether the calling thread's staged calls run on the group's own backend: the group's
+  // thread, and a thread inside a block it opened there (followBlock).
   bool onOwn() const;
+  // What ends a block: a work that waits for `works` and writes back `backs`.
+  WorkPtr blockWork(std::vector<WorkPtr> works, std::vector<std::shared_ptr<WriteBack>> backs);
+  // Forgets a block that raised before its end (torch's coalescing manager then never ends
+  // it), closing the communicator's block comm opened. Holds mutex_.
+  void abandonBlock();
   // comm's communicator for threads other than the group's; made at the first call.
   c10d::Backend& madeCommunicator();
   // The stream a staged call's copies in and its collective are issued on: none (the
@@ -355,18 +394,24 @@ class StagingBackend final : public c10d::Backend {
   std::optional<c10::Stream> writeBackStream_; // the group's thread's write-backs (waitStream)
   std::chrono::milliseconds timeout_;
   const int64_t chunkBytes_;
-  // Between startCoalescing and endCoalescing: the works and write-backs issued so far;
-  // works of calls that ran on the CPU communicator, outside the communicator's block, apart.
-  // A block is the thread's that opened it, on that thread's communicator: calls from
-  // other threads meanwhile run outside it.
-  bool coalescing_ = false;
-  std::thread::id coalescingThread_;
-  c10d::Backend* coalescingComm_ = nullptr;
-  bool communicatorCoalesces_ = false;
-  std::vector<WorkPtr> coalescedWorks_;
-  std::vector<WorkPtr> coalescedCpuWorks_;
-  std::vector<std::shared_ptr<WriteBack>> coalescedBacks_;
+  const bool coalesces_; // whether the communicator of the group's kind coalesces
+  // An open coalescing block: the thread's that opened it, on that thread's communicator
+  // (calls from other threads meanwhile run outside it), and what comm issued in it so far.
+  struct Block {
+    std::thread::id thread;
+    c10d::Backend* communicator = nullptr;
+    bool coalesces = false; // whether `communicator` holds the block's calls until its end
+    bool followed = false;  // opened by torch on the group's own backend (followBlock), not on comm's slot
+    std::vector<WorkPtr> works; // every work a call in it returned, the CPU communicator's too
+    std::vector<std::shared_ptr<WriteBack>> backs;
+  };
+  std::optional<Block> block_;
+  // Whether the calling thread has the open block. Holds mutex_.
+  bool inBlock() const { return block_ && block_->thread == std::this_thread::get_id(); }
 };
+
+// comm's backend on `group` where the slot of `type` is the group's own; else null.
+StagingBackend* followerOf(c10d::ProcessGroup& group, c10::DeviceType type);
 
 // From the first call on: a collective whose tensors lie on the CPU and an accelerator,
 // on a group comm has equipped, runs on the group's own backend with the CPU tensors

@@ -6,6 +6,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "staging.h"
 
@@ -15,11 +16,12 @@ StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr
                                CommunicatorFactory cpuFactory, int64_t chunkBytes)
     : Backend(rank, size), target_(target), own_(std::move(own)), owner_(std::this_thread::get_id()),
       factory_(std::move(factory)), cpuFactory_(std::move(cpuFactory)), timeout_(kBackendDefaultTimeout),
-      chunkBytes_(chunkBytes) {}
+      chunkBytes_(chunkBytes), coalesces_(own_ && own_->supportsCoalescing()) {}
 
 StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr communicator, int64_t chunkBytes)
     : Backend(rank, size), target_(target), owner_(std::this_thread::get_id()),
-      communicator_(std::move(communicator)), timeout_(kBackendDefaultTimeout), chunkBytes_(chunkBytes) {}
+      communicator_(std::move(communicator)), timeout_(kBackendDefaultTimeout), chunkBytes_(chunkBytes),
+      coalesces_(communicator_->supportsCoalescing()) {}
 
 at::Device StagingBackend::target() const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -47,7 +49,7 @@ void StagingBackend::fixTarget() {
 
 bool StagingBackend::onOwn() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return own_ && std::this_thread::get_id() == owner_;
+  return own_ && (std::this_thread::get_id() == owner_ || (inBlock() && block_->followed));
 }
 
 c10d::Backend& StagingBackend::communicator() {
@@ -193,10 +195,15 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
                               const Reduction* reduction) {
   auto issued = issue(name, run, reduction);
   std::lock_guard<std::mutex> lock(mutex_);
-  if (coalescing_ && coalescingThread_ == std::this_thread::get_id()) {
-    coalescedBacks_.push_back(issued.back);
-    if (issued.work) (issued.onGroupsKind ? coalescedWorks_ : coalescedCpuWorks_).push_back(issued.work);
-    if (communicatorCoalesces_ && issued.onGroupsKind) return doneWork();
+  if (inBlock()) {
+    // The call is the block's: the work that ends the block waits for it and writes it
+    // back, the one work torch's coalescing manager waits for. Its own work is done at
+    // once: where the communicator coalesces it has not run yet (nccl returns no work,
+    // hccl none for point-to-point), so a wait now must write nothing; and a work waited
+    // twice may wait for ever (gloo's send waits for a second send).
+    block_->backs.push_back(issued.back);
+    if (issued.work) block_->works.push_back(issued.work);
+    return doneWork();
   }
   std::vector<WorkPtr> works;
   if (issued.work) works.push_back(issued.work);
@@ -204,57 +211,83 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
                                          type, issued.waitOn);
 }
 
+void StagingBackend::abandonBlock() {
+  if (!block_) return;
+  if (block_->coalesces && !block_->followed) block_->communicator->endCoalescing();
+  block_.reset();
+}
+
 void StagingBackend::startCoalescing() {
   // The block is the calling thread's, on its communicator: on the group's thread the
   // group's own backend, whose block then holds these calls as it would the group's own.
   auto& comm = communicator();
   std::lock_guard<std::mutex> lock(mutex_);
-  if (coalescing_) {
-    // A block that raised before its end (torch's coalescing manager then never calls
-    // endCoalescing): forget what it issued, and close the communicator's block.
-    coalescedWorks_.clear();
-    coalescedCpuWorks_.clear();
-    coalescedBacks_.clear();
-    if (communicatorCoalesces_ && coalescingComm_ != nullptr) coalescingComm_->endCoalescing();
-  }
-  coalescing_ = true;
-  coalescingThread_ = std::this_thread::get_id();
-  coalescingComm_ = &comm;
-  communicatorCoalesces_ = comm.supportsCoalescing();
-  if (communicatorCoalesces_) comm.startCoalescing();
+  abandonBlock();
+  block_ = Block{std::this_thread::get_id(), &comm, comm.supportsCoalescing(), /*followed=*/false, {}, {}};
+  if (block_->coalesces) comm.startCoalescing();
 }
 
 WorkPtr StagingBackend::endCoalescing() {
-  std::vector<WorkPtr> works;
-  std::vector<WorkPtr> cpuWorks;
-  std::vector<std::shared_ptr<WriteBack>> backs;
-  bool coalesces = false;
-  c10d::Backend* comm = nullptr;
+  Block block;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(coalescing_, "comm's staging backend: endCoalescing without startCoalescing");
-    coalescing_ = false;
-    coalesces = communicatorCoalesces_;
-    comm = coalescingComm_;
-    coalescingComm_ = nullptr;
-    works.swap(coalescedWorks_);
-    cpuWorks.swap(coalescedCpuWorks_);
-    backs.swap(coalescedBacks_);
+    TORCH_CHECK(block_ && !block_->followed, "comm's staging backend: endCoalescing without startCoalescing");
+    block = std::move(*block_);
+    block_.reset();
   }
-  if (coalesces && comm != nullptr) {
-    // A communicator that coalesces returns one work for the calls that joined its block,
-    // or none where none joined: HCCL's plain calls (and so comm's flattened coalesced
-    // all-reduce) run outside its block, each with a work of its own to wait for.
-    auto work = comm->endCoalescing();
-    if (work) works = {work};
+  if (block.coalesces) {
+    // One work for the calls that joined the communicator's block, or none where none
+    // joined (HCCL's plain calls run outside its block, each with a work of its own).
+    if (auto work = block.communicator->endCoalescing()) block.works.push_back(work);
   }
-  works.insert(works.end(), cpuWorks.begin(), cpuWorks.end()); // run outside the communicator's block
-  if (backs.empty()) {
-    backs.push_back(std::make_shared<WriteBack>("coalesced", [] { return std::string("comm staged nothing"); },
-                                                std::vector<Piece>{}, Tensors{}, 1));
+  if (block.backs.empty()) {
+    block.backs.push_back(std::make_shared<WriteBack>(
+        "coalesced", [] { return std::string("comm staged nothing"); }, std::vector<Piece>{}, Tensors{}, 1));
   }
+  return blockWork(std::move(block.works), std::move(block.backs));
+}
+
+void StagingBackend::followBlock() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  abandonBlock();
+  // Without the group's own backend comm's calls never run there: there is nothing to join.
+  if (own_) block_ = Block{std::this_thread::get_id(), own_.get(), true, /*followed=*/true, {}, {}};
+}
+
+WorkPtr StagingBackend::closeFollowedBlock(WorkPtr blockWork) {
+  Block block;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!inBlock() || !block_->followed) return blockWork;
+    block = std::move(*block_);
+    block_.reset();
+  }
+  if (block.backs.empty()) return blockWork; // comm staged nothing in it: torch's work as it is
+  if (blockWork) block.works.push_back(blockWork);
+  return this->blockWork(std::move(block.works), std::move(block.backs));
+}
+
+bool StagingBackend::joinBlock(const WorkPtr& work, const std::shared_ptr<WriteBack>& back) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!inBlock()) return false;
+  block_->backs.push_back(back);
+  if (work) block_->works.push_back(work);
+  return true;
+}
+
+WorkPtr StagingBackend::blockWork(std::vector<WorkPtr> works, std::vector<std::shared_ptr<WriteBack>> backs) {
+  // The block may hold calls on the group's own devices, whose results the caller reads
+  // on its current stream: the work orders that stream after the block too.
   return c10::make_intrusive<StagedWork>(std::move(works), std::move(backs), c10d::OpType::COALESCED,
-                                         waitStream(true, target()));
+                                         waitStream(true, target()), Tensors{}, /*callerReads=*/true);
+}
+
+StagingBackend* followerOf(c10d::ProcessGroup& group, c10::DeviceType type) {
+  if (!group.hasBackends() || dynamic_cast<StagingBackend*>(group.getBackend(type).get()) != nullptr) return nullptr;
+  for (const auto& device : group.getDeviceTypes()) {
+    if (auto* staging = dynamic_cast<StagingBackend*>(group.getBackend(device.type()).get())) return staging;
+  }
+  return nullptr;
 }
 
 BackendPtr StagingBackend::split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
