@@ -112,3 +112,17 @@ def test_a_mixed_call_is_staged_once_by_the_cpp_kernel(kind):
             assert transfers == expected, (label, transfers, expected)
             stager = [True] if facts["mixes"] else [False] if expected else []
             assert facts["stagers"] == stager, (label, facts["stagers"])
+
+
+def _disagreeing_all_reduce(rank, world_size):
+    comm.equip()
+    tensor = torch.full((64,), float(rank + 1), device="cpu" if rank == 0 else torch.device("npu", rank))
+    dist.all_reduce(tensor)
+    return tensor.cpu()
+
+
+def test_ranks_that_disagree_on_an_all_reduces_device_still_meet():
+    """docs/staging.md: a CPU all-reduce on one rank is staged onto hccl and meets the other rank's NPU one there
+    (chunking off: a chunked one would not, and comm cannot tell without a collective per call)."""
+    for got in run_ranks(_disagreeing_all_reduce, 2, env={"COMM_STAGING_CHUNK_BYTES": "0"}, **GROUPS["hccl"][0]):
+        assert torch.equal(got, torch.full((64,), 3.0))
