@@ -68,6 +68,25 @@ def _rules(rank, world_size):
     seen["premul_sum"] = _all_reduce(rank, torch.float32, premul).tolist()
     seen["premul_sum reduce_scatter"] = _reduce_scatter(rank, torch.float32, premul).tolist()
     seen["premul_sum int"] = error_of(_all_reduce, rank, torch.int32, premul)
+    seen.update(_shapes(rank, world_size))
+    return seen
+
+
+def _shapes(rank, world_size):
+    """What HCCL checks of shapes: element counts for the tensor gathers and scatters; uneven list gathers."""
+    seen = {}
+    flat = torch.zeros(4 * world_size, device=f"npu:{rank}")  # Accelerate's gather: a flat output
+    dist.all_gather_into_tensor(flat, _npu(rank, [[rank, rank + 0.5], [rank + 1, rank + 1.5]]))
+    scattered = torch.zeros(2, 1, device=f"npu:{rank}")
+    dist.reduce_scatter_tensor(scattered, _npu(rank, [rank + 1.0, rank + 2.0, rank + 3.0, rank + 4.0]))
+    seen["flat"] = (flat.cpu().tolist(), scattered.cpu().flatten().tolist())
+    seen["wrong count"] = error_of(dist.all_gather_into_tensor, torch.zeros(5, device=f"npu:{rank}"),
+                                   _npu(rank, [1.0, 2.0]))
+    shapes = [(2, 3), (4,)]  # Ascend's test_all_gather_dist_different_shape: each rank its own shape
+    mine = torch.arange(6.0 if rank == 0 else 4.0).reshape(shapes[rank]) + 100 * rank
+    gathered = [torch.zeros(shape, device=f"npu:{rank}") for shape in shapes]
+    dist.all_gather(gathered, mine.to(f"npu:{rank}"))
+    seen["uneven"] = [tensor.cpu().tolist() for tensor in gathered]
     return seen
 
 
@@ -146,6 +165,17 @@ def test_premul_sum_scales_then_sums(rules):
         assert seen["premul_sum"] == [1.5, 2.0]
         assert seen["premul_sum reduce_scatter"] == [[1.5], [2.5]][rules.index(seen)]
         assert "PreMulSum Data type must be half, float, bfloat16 or double" in seen["premul_sum int"]
+
+
+def test_tensor_gathers_and_scatters_check_the_element_count_not_the_shape(rules):
+    for rank in rules:
+        assert rank["flat"] == ([0.0, 0.5, 1.0, 1.5, 1.0, 1.5, 2.0, 2.5], [[3.0, 5.0], [7.0, 9.0]][rank is rules[1]])
+        assert "output tensor size must be equal to world_size times input tensor size" in rank["wrong count"]
+
+
+def test_a_list_all_gather_takes_a_shape_per_rank(rules):
+    for rank in rules:
+        assert rank["uneven"] == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [100.0, 101.0, 102.0, 103.0]]
 
 
 def test_lenient_runs_what_gloo_runs():

@@ -418,13 +418,22 @@ class SimulatedBackend final : public c10d::Backend {
   }
   WorkPtr allgather(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) override {
     mapped(inputs);
+    if (!lenient_ && outputs.size() == 1 && inputs.size() == 1 && !same_sizes(outputs[0])) {
+      return uneven_allgather(outputs[0], inputs[0], opts);
+    }
     auto host_outputs = to_host(outputs);
     auto host_inputs = to_host(inputs);
     return done(host_->allgather(host_outputs, host_inputs, opts), flat(outputs), c10d::OpType::ALLGATHER);
   }
+  // HCCL and NCCL check the element count, not the shape: Accelerate passes a flat output
+  // (ProcessGroupHCCL::_allgather_base, Ascend/pytorch torch_npu/csrc/distributed/ProcessGroupHCCL.cpp,
+  // master; ProcessGroupNCCL's is alike). gloo wants world size rows of the input's shape.
   WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) override {
     mapped({input});
-    auto host_output = to_host(output);
+    TORCH_CHECK(input.dtype() == output.dtype(), "output tensor must have the same type as input tensor");
+    TORCH_CHECK(input.numel() * getSize() == output.numel(),
+                "output tensor size must be equal to world_size times input tensor size");
+    auto host_output = stacked(to_host(output), input);
     auto host_input = to_host(input);
     return done(host_->_allgather_base(host_output, host_input, opts), {output}, c10d::OpType::_ALLGATHER_BASE);
   }
@@ -473,10 +482,14 @@ class SimulatedBackend final : public c10d::Backend {
     return done(host_->reduce_scatter(host_outputs, host_inputs, host_opts), outputs, c10d::OpType::REDUCE_SCATTER,
                 after);
   }
+  // As _allgather_base: the element count is checked (ProcessGroupHCCL::_reduce_scatter_base, master).
   WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
     reducible("_reduce_scatter_base", {input}, /*casts=*/false);
+    TORCH_CHECK(input.dtype() == output.dtype(), "input tensor must be the same type as the output tensor.");
+    TORCH_CHECK(input.numel() == output.numel() * getSize(),
+                "input tensor must be the same size as output size times world size");
     auto host_output = to_host(output);
-    auto host_input = to_host(input);
+    auto host_input = stacked(to_host(input), output);
     auto host_opts = opts;
     auto after = reduce_op(host_opts.reduceOp, {host_input}, {output});
     return done(host_->_reduce_scatter_base(host_output, host_input, host_opts), {output},
@@ -535,6 +548,52 @@ class SimulatedBackend final : public c10d::Backend {
     for (const auto& tensor : tensors) {
       TORCH_CHECK(hccl::mapped(tensor.scalar_type()), "Unsupported data type for ", upper_, " process group");
     }
+  }
+  static bool same_sizes(const Tensors& tensors) {
+    return std::all_of(tensors.begin(), tensors.end(),
+                       [&](const at::Tensor& tensor) { return tensor.sizes() == tensors.front().sizes(); });
+  }
+  // A list all-gather whose ranks' tensors differ in shape, as HCCL gathers them (Ascend's
+  // test/distributed test_all_gather_dist_different_shape: every rank gets every rank's
+  // tensor; ProcessGroupHCCL::allgather checks check_same_size and gathers unequal ones
+  // apart). gloo gathers equal sizes only: each rank's elements go padded to the largest,
+  // and each output takes its own count back once the gather has run.
+  WorkPtr uneven_allgather(Tensors& outputs, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+    TORCH_CHECK(static_cast<int>(outputs.size()) == getSize(), "allgather: the output list must have one tensor per rank");
+    TORCH_CHECK(outputs[getRank()].numel() == input.numel(), "allgather: this rank's output must match its input's size");
+    int64_t largest = 0;
+    for (const auto& output : outputs) {
+      TORCH_CHECK(output.scalar_type() == input.scalar_type(), "Tensors must have identical type");
+      largest = std::max(largest, output.numel());
+    }
+    auto host_input = to_host(input);
+    Tensors padded_outputs;
+    for (int rank = 0; rank < getSize(); ++rank) padded_outputs.push_back(at::empty({largest}, host_input.options()));
+    std::vector<Tensors> gathered{padded_outputs};
+    Tensors padded_input{at::zeros({largest}, host_input.options())};
+    padded_input[0].narrow(0, 0, input.numel()).copy_(host_input.reshape({-1}));
+    Tensors hosts;
+    for (const auto& output : outputs) hosts.push_back(host_view(output));
+    auto after = [hosts, padded_outputs]() {
+      for (size_t rank = 0; rank < hosts.size(); ++rank) {
+        auto target = hosts[rank];
+        target.copy_(padded_outputs[rank].narrow(0, 0, target.numel()).view(target.sizes()));
+      }
+    };
+    return done(host_->allgather(gathered, padded_input, opts), outputs, c10d::OpType::ALLGATHER, after);
+  }
+  // `whole` (world size pieces of `piece`'s elements) viewed as gloo wants it: the pieces
+  // stacked along the first dimension, each of `piece`'s shape. A view, so gloo writes
+  // through it; left as it is where it cannot be viewed so (gloo then says why).
+  at::Tensor stacked(const at::Tensor& whole, const at::Tensor& piece) const {
+    std::vector<int64_t> shape(piece.sizes().begin(), piece.sizes().end());
+    if (shape.empty()) {
+      shape.push_back(getSize());
+    } else {
+      shape[0] *= getSize();
+    }
+    if (!whole.is_contiguous() || whole.sizes().vec() == shape) return whole;
+    return whole.view(shape);
   }
   // checkSupportedDataType in the reductions, named by ProcessGroupHCCL's function;
   // `casts`: bool and uint8 are cast to int32 first (allreduce, allreduce_coalesced, reduce).
