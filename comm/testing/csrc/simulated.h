@@ -14,6 +14,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/utils/pybind.h>
 
 namespace comm_sim {
 
@@ -62,7 +63,13 @@ class Completion {
     std::lock_guard<std::mutex> lock(mutex_);
     return error_;
   }
+  // The host waits for the collective. Not while holding Python's lock: the backend's
+  // thread (gloo's) may need it to finish an earlier call first (destroying a work that
+  // carries Python state), and would wait for this thread for ever. A device's operators
+  // do not block the host on hardware; here they do, so they must let Python run.
   void wait() {
+    std::optional<pybind11::gil_scoped_release> unlocked;
+    if (Py_IsInitialized() && PyGILState_Check() == 1) unlocked.emplace();
     std::unique_lock<std::mutex> lock(mutex_);
     cv_.wait(lock, [this] { return done_; });
   }
