@@ -422,3 +422,35 @@ def test_dtensor_random_ops_on_the_simulated_npu():
     assert torch.equal(replicated, other_draws["first"][1])  # a replicated draw is the same on every rank
     assert torch.equal(sharded, draws["again"][0]) and not torch.equal(sharded, draws["other seed"][0])
     assert offset == other_offset and offset[0] == 6 and offset[1] > 0  # the offset advanced past the draws
+
+
+def _torch_npu_distributed_config_and_formats(rank, world_size):
+    """What Ascend's own distributed tests and frameworks import from torch_npu, each used as they use it."""
+    import torch_npu
+
+    seen = {}
+    value = torch.full((3,), float(rank + 1), device=f"npu:{rank}")
+    dist.all_reduce(value, op=torch_npu.distributed._make_hccl_premul_sum(2.0))  # test_dist_all_reduce_pre_mul
+    seen["premul"] = value.cpu().tolist()
+    seen["hccl available"] = torch_npu.distributed.is_hccl_available()
+    torch_npu.npu.config.allow_internal_format = False
+    torch.npu.matmul.allow_hf32 = True
+    seen["switches"] = (torch_npu.npu.config.allow_internal_format, torch.npu.matmul.allow_hf32,
+                        torch.npu.conv.allow_hf32)
+    with pytest.raises(TypeError, match="allow_hf32 must be a bool"):
+        torch.npu.conv.allow_hf32 = 1
+    image = torch.arange(24, dtype=torch.float32, device=f"npu:{rank}").reshape(1, 2, 3, 4)
+    cast = torch_npu.npu_format_cast(image, torch_npu.Format.NC1HWC0)
+    seen["formats"] = (str(torch_npu.get_npu_format(image)), str(torch_npu.get_npu_format(cast)),
+                       int(torch_npu.get_npu_format(image.flatten())), torch.equal(cast.cpu(), image.cpu()),
+                       torch_npu.npu_format_cast(cast, 3) is cast)
+    torch_npu.npu_format_cast_(image, 2)
+    seen["in place"] = str(torch_npu.get_npu_format(image))
+    return seen
+
+
+def test_torch_npus_distributed_config_and_formats():
+    for seen in run_ranks(_torch_npu_distributed_config_and_formats, 2, backend="hccl", simulate=NPU):
+        assert seen["premul"] == [6.0] * 3 and seen["hccl available"]  # 2 x (1 + 2)
+        assert seen["switches"] == (False, True, False)
+        assert seen["formats"] == ("NCHW", "NC1HWC0", 2, True, True) and seen["in place"] == "ND"

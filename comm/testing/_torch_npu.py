@@ -16,6 +16,7 @@ stands there (comm's stand-ins included).
 
 from __future__ import annotations
 
+import enum
 import importlib.machinery
 import importlib.util
 import inspect
@@ -23,7 +24,8 @@ import os
 import sys
 import threading
 import types
-from typing import Any, Callable, List, Optional, Tuple
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,10 +49,19 @@ def install() -> bool:
     module.npu = torch.npu  # type: ignore[attr-defined]
     module.npu_fusion_attention = npu_fusion_attention  # type: ignore[attr-defined]
     module.npu_rotary_mul = npu_rotary_mul  # type: ignore[attr-defined]
+    module.Format = Format  # type: ignore[attr-defined]
+    module.get_npu_format = get_npu_format  # type: ignore[attr-defined]
+    module.npu_format_cast = npu_format_cast  # type: ignore[attr-defined]
+    module.npu_format_cast_ = npu_format_cast_  # type: ignore[attr-defined]
+    module.distributed = _distributed_module()  # type: ignore[attr-defined]
     module.__comm_simulated__ = True  # type: ignore[attr-defined]
+    for name, switches in (("config", _Switches("allow_internal_format")), ("matmul", _Switches("allow_hf32")),
+                           ("conv", _Switches("allow_hf32"))):
+        setattr(torch.npu, name, switches)  # type: ignore[attr-defined]
     sys.modules["torch_npu"] = module
     sys.modules["torch_npu.npu"] = torch.npu  # type: ignore[attr-defined]
     sys.modules["torch_npu.npu.amp"] = torch.npu.amp  # type: ignore[attr-defined]
+    sys.modules["torch_npu.distributed"] = module.distributed
     # CANN's set_env.sh exports the toolkit's folder; this one exists (the simulated toolkit has nothing in it).
     os.environ.setdefault("ASCEND_HOME_PATH", os.path.dirname(__file__))
     return True
@@ -136,6 +147,110 @@ def _patches() -> List[Tuple[Any, str, Any]]:
         found += [(module, "gather", _gather), (module, "gather_object", _gather_object),
                   (module, "batch_isend_irecv", _batch_isend_irecv)]
     return found + [(torch.nn.Module, "to", to), (torch, "load", load)]
+
+
+def _distributed_module() -> types.ModuleType:
+    """``torch_npu.distributed``: what its ``__init__.py`` names (torch_npu 2.13.0 wheel).
+
+    ``_make_hccl_premul_sum`` is torch's ``_make_nccl_premul_sum`` under another name there
+    (``from torch.distributed import _make_nccl_premul_sum as _make_hccl_premul_sum``), so
+    it is here; ``is_hccl_available`` answers for the simulated hccl backend.
+    """
+    module = types.ModuleType("torch_npu.distributed", "Stand-in for torch_npu.distributed (simulated NPU).")
+    module._make_hccl_premul_sum = dist._make_nccl_premul_sum  # type: ignore[attr-defined]
+    module.is_hccl_available = lambda: "hccl" in dist.Backend.backend_list  # type: ignore[attr-defined]
+    module.is_available = dist.is_available  # type: ignore[attr-defined]
+    return module
+
+
+class _Switches:
+    """``torch_npu.npu.config``, ``.matmul`` and ``.conv``: switches that a script sets and reads back.
+
+    torch_npu's (``npu/npu_config.py``: ``_npuConfig``, ``_allowHF32Matmul``,
+    ``_allowHF32Conv``) pass them to CANN; the simulated device has no internal formats
+    and computes in the CPU's precision, so they change nothing here. ``allow_hf32`` must
+    be a bool, as torch_npu checks.
+    """
+
+    def __init__(self, *names: str) -> None:
+        object.__setattr__(self, "_values", {name: False for name in names})
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        if name not in values:
+            raise AttributeError(name)
+        return values[name]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "allow_hf32" and not isinstance(value, bool):
+            raise TypeError(f"allow_hf32 must be a bool, but got {type(value).__name__}")
+        object.__getattribute__(self, "_values")[name] = value
+
+
+class Format(enum.IntEnum):
+    """torch_npu's storage formats (``npu/_format.py``: ``Format``, ACL's numbers)."""
+
+    UNDEFINED = -1
+    NCHW = 0
+    NHWC = 1
+    ND = 2
+    NC1HWC0 = 3
+    FRACTAL_Z = 4
+    NC1HWC0_C04 = 12
+    HWCN = 16
+    NDHWC = 27
+    FRACTAL_NZ = 29
+    NCDHW = 30
+    NDC1HWC0 = 32
+    FRACTAL_Z_3D = 33
+    NC = 35
+    NCL = 47
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# The format each tensor was cast to, by the tensor's id, with a weak reference that tells a tensor
+# gone from a new one under the same id (a WeakKeyDictionary would compare tensors with ==).
+_FORMATS: Dict[int, Tuple["weakref.ref[torch.Tensor]", Format]] = {}
+
+
+def _recorded(tensor: torch.Tensor) -> Optional[Format]:
+    found = _FORMATS.get(id(tensor))
+    return found[1] if found is not None and found[0]() is tensor else None
+
+
+def _record(tensor: torch.Tensor, acl_format: Format) -> None:
+    key = id(tensor)
+    _FORMATS[key] = (weakref.ref(tensor, lambda _: _FORMATS.pop(key, None)), acl_format)
+
+
+def get_npu_format(tensor: torch.Tensor) -> Format:
+    """The storage format a tensor was cast to, else its base format: NCHW for 4 dimensions, ND otherwise.
+
+    As torch_npu's ``InferFormat::GuessFormatUnit`` ("4 dim tensor must be NCHW"). The
+    simulated device stores every tensor as the CPU does; only the name is kept.
+    """
+    recorded = _recorded(tensor)
+    if recorded is not None:
+        return recorded
+    return Format.NCHW if tensor.dim() == 4 else Format.ND
+
+
+def npu_format_cast(tensor: torch.Tensor, acl_format: int) -> torch.Tensor:
+    """``tensor`` in storage format ``acl_format``: its values, the format recorded (a new tensor, as torch_npu's)."""
+    target = Format(int(acl_format))
+    if get_npu_format(tensor) == target:
+        return tensor
+    cast = tensor.clone()
+    _record(cast, target)
+    return cast
+
+
+def npu_format_cast_(tensor: torch.Tensor, acl_format: int) -> torch.Tensor:
+    """In place: ``tensor`` keeps its values and is recorded in ``acl_format``."""
+    _record(tensor, Format(int(acl_format)))
+    return tensor
 
 
 # npu_fusion_attention's layouts: where batch (B), heads (N), sequence (S) and head size (D) lie.
