@@ -20,7 +20,7 @@ export OMP_NUM_THREADS ?= 1
 export PYTHONDONTWRITEBYTECODE :=
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc-per-node 2
 
-.PHONY: test test-integration test-all test-clients test-launchers demo bench lint gpu-check wheel test-wheel clean
+.PHONY: test test-integration test-all test-clients test-peers test-launchers demo bench lint gpu-check wheel test-wheel clean
 
 # PIP_CONSTRAINT replaces any constraint file pip's own configuration names (a machine may cap
 # torch's release there) with this venv's, which pins its torch.
@@ -80,6 +80,20 @@ test-clients: $(CLIENTS_VENV)/.installed $(OWN_VENV_CLIENTS:%=.venv-%/.installed
 	$(CLIENTS_PY) -m comm.build --simulated
 	$(CLIENTS_PY) -m pytest -p no:xdist -q tests/clients
 	for name in $(OWN_VENV_CLIENTS); do .venv-$$name/bin/python -m pytest -p no:xdist -q tests/clients -k $$name || exit 1; done
+
+# Peer suites (issue 46): other projects' own distributed tests, unchanged, on two simulated NPUs, plainly and
+# under -m comm, and on the CPU (tests/peers), in a venv of their own.
+PEERS_VENV := .venv-peers
+
+$(PEERS_VENV)/.installed: setup.cfg pyproject.toml constraints.txt tests/peers/requirements.txt
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet --no-compile --constraint constraints.txt --editable '.[test]' \
+		--requirement tests/peers/requirements.txt
+	touch $@
+
+test-peers: $(PEERS_VENV)/.installed
+	$(PEERS_VENV)/bin/python -m comm.build --simulated
+	$(PEERS_VENV)/bin/python -m pytest -n 2 -q -rfEs tests/peers
 
 # Real launchers (issue 36): mpirun (OpenMPI), mpiexec (MPICH), srun and sbatch on a two-node Slurm cluster that
 # tests/launchers starts in a folder of its own, torchrun agents; installs the packages once as root (else skips,

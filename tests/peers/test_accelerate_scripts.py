@@ -1,0 +1,86 @@
+"""Accelerate's own distributed test scripts, unchanged, on two simulated NPUs and on the CPU, plainly and under comm.
+
+HF Accelerate ships the scripts its CI runs on every accelerator in its wheel
+(``accelerate/test_utils/scripts/``): they check ``gather``, ``reduce``, ``broadcast``,
+padding across processes, gradient synchronisation and accumulation, data loaders
+across ranks, mixed precision and merging FSDP checkpoints, each asserting what it
+expects itself. Each runs under ``torchrun --nproc-per-node 2`` four ways:
+
+* ``-m comm --simulate npu``: must pass, as on an Ascend machine with comm;
+* plainly on the simulated NPU (no comm): as on an Ascend machine without comm; must
+  pass too, or fail as ``PLAIN_ON_NPU`` says (what comm is for);
+* ``-m comm`` on the CPU and plainly on the CPU: comm must change nothing there (both pass, or both fail
+  as ``ON_THE_CPU_FAILS`` says).
+
+Run by ``make test-peers`` (its own venv, tests/peers/requirements.txt), not ``make test``.
+"""
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from multiproc import quiet_env, skip_unless_simulation
+
+accelerate = pytest.importorskip("accelerate", reason="make test-peers installs Accelerate in .venv-peers")
+
+SCRIPTS = Path(accelerate.__file__).resolve().parent / "test_utils" / "scripts"
+# Sets the simulated NPU up and runs a script as `python script.py` would: no comm.
+ON_SIMULATED_NPU = Path(__file__).resolve().parent.parent / "clients" / "on_simulated_npu.py"
+NAMES = ["test_script", "test_ops", "test_sync", "test_distributed_data_loop", "test_merge_weights"]
+# What a script meets on two simulated NPUs without comm, where it fails: None where it passes.
+PLAIN_ON_NPU = {name: None for name in NAMES}
+# What a script says on the CPU, plainly and under comm alike, where it needs accelerators.
+ON_THE_CPU_FAILS = {"test_distributed_data_loop": "this script expects that two GPUs are available"}
+
+
+def run(script: str, *launch: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 <launch> <Accelerate's script>``; rank 0's output only (tracebacks interleave)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--local-ranks-filter", "0", *launch, str(SCRIPTS / f"{script}.py")]
+    with tempfile.TemporaryDirectory() as folder:  # test_merge_weights saves its checkpoint in the current folder
+        return subprocess.run(command, capture_output=True, text=True, env=quiet_env(), timeout=300, cwd=folder)
+
+
+def passed(result: subprocess.CompletedProcess) -> str:
+    """'' where the script passed, else the tail of what it printed."""
+    return "" if result.returncode == 0 else (result.stdout + result.stderr)[-3000:]
+
+
+@pytest.mark.parametrize("script", NAMES)
+def test_on_simulated_npus_under_comm(script):
+    skip_unless_simulation()
+    result = run(script, "-m", "comm", "--simulate", "npu")
+    assert not passed(result), passed(result)
+
+
+@pytest.mark.parametrize("script", NAMES)
+def test_on_simulated_npus_without_comm(script):
+    skip_unless_simulation()
+    result = run(script, str(ON_SIMULATED_NPU))
+    if PLAIN_ON_NPU[script] is None:
+        assert not passed(result), passed(result)
+    else:
+        assert result.returncode != 0 and PLAIN_ON_NPU[script] in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("script", NAMES)
+def test_on_the_cpu_comm_changes_nothing(script):
+    plain, under_comm = run(script), run(script, "-m", "comm")
+    if script in ON_THE_CPU_FAILS:
+        for result in (plain, under_comm):
+            assert result.returncode != 0 and ON_THE_CPU_FAILS[script] in result.stdout + result.stderr
+    else:
+        assert not passed(plain), passed(plain)
+        assert not passed(under_comm), passed(under_comm)
+
+
+def test_merge_weights_twenty_runs_in_a_row_without_a_hang():
+    """FSDP's unshard on the simulated NPU once hung one run in three: the host held Python's lock while it waited
+    for a collective that gloo's thread could not finish without that lock (comm/testing/csrc/simulated.h)."""
+    skip_unless_simulation()
+    for attempt in range(20):
+        result = run("test_merge_weights", "-m", "comm", "--simulate", "npu")
+        assert not passed(result), f"run {attempt + 1}: {passed(result)}"
