@@ -213,7 +213,7 @@ STAGING = Extension(
 SIMULATED = Extension(
     "comm_simulated",
     Path(__file__).parent / "testing" / "csrc",
-    ("device.cpp", "backend.cpp"),
+    ("device.cpp", "backend.cpp", "random.cpp", "autocast.cpp"),
     (Path(__file__).parent / "testing" / "csrc" / "simulated.h", _SHARED / "torch_releases.h"),
     "the simulated accelerator's C++ core",
 )

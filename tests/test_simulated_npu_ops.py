@@ -37,7 +37,8 @@ TORCH_ACCUMULATES = ("torch's choice by device type: the chunked path accumulate
                      "input's dtype on devices other than CUDA (an NPU too, as torch's code reads; whether torch_npu "
                      "changes that is not checked), so the values differ by rounding")
 CANNOT_RUN: Dict[str, Tuple[str, str, str]] = {
-    "nn.functional.linear_cross_entropy.chunked": ("forward", "bfloat16, float16", TORCH_ACCUMULATES),
+    # Which of the two a rounding difference shows in first depends on the samples' random values.
+    "nn.functional.linear_cross_entropy.chunked": ("forward or backward", "bfloat16, float16", TORCH_ACCUMULATES),
     "nn.functional.linear_cross_entropy.chunked_none": ("forward", "bfloat16, float16", TORCH_ACCUMULATES),
     "sparse.mm.reduce": ("forward", EVERY_DTYPE, SPARSE + "; a CSR sample cannot be made on it"),
     "sparse.sampled_addmm": ("forward", EVERY_DTYPE, SPARSE + "; a CSR sample cannot be made on it"),
@@ -355,7 +356,7 @@ def _not_as_listed(results: Dict[str, Tuple[int, int, Optional[Tuple[str, str]]]
             problems.append(f"{key} fails ({failure[0]}): {failure[1]}")
         elif failure is None and expected is not None:
             problems.append(f"{key} runs now: take it out of CANNOT_RUN (and docs/simulated-npu.md)")
-        elif failure is not None and expected is not None and failure[0] != expected[0]:
+        elif failure is not None and expected is not None and failure[0] not in expected[0].split(" or "):
             problems.append(f"{key} fails {failure[0]}, where CANNOT_RUN says {expected[0]}: {failure[1]}")
         elif failure is None and forward == 0:
             problems.append(f"{key} has no samples: nothing was compared")
@@ -378,7 +379,7 @@ def _coverage(census: Dict[str, Any]) -> Dict[str, Tuple[int, int]]:
     cases, differentiable = census["cases"], set(census["differentiable"])
     ops = {case.rsplit(" ", 1)[0] for case in cases}
     failing = {case: listed(case) for case in cases if listed(case) is not None}
-    forward_failing = [case for case, (part, _) in failing.items() if part == "forward"]
+    forward_failing = [case for case, (part, _) in failing.items() if "forward" in part.split(" or ")]  # may fail there
     return {"ops": (len(ops - {case.rsplit(" ", 1)[0] for case in failing}), len(ops)),
             "forward": (len(cases) - len(forward_failing), len(cases)),
             "backward": (len(differentiable - set(failing)), len(differentiable))}
@@ -400,7 +401,8 @@ def _documented() -> Tuple[str, Dict[str, Tuple[int, ...]], Dict[str, Tuple[str,
         if found:
             figures[part] = tuple(int(found.group(i).replace(",", "")) for i in (1, 2))
     assert release is not None and len(figures) == 3, "docs/simulated-npu.md's Operators section lost its figures"
-    rows = re.findall(r"^\| `([^`]+)` \| (forward|backward) \| ([^|]+?) \| (.+?) \|$", section, re.MULTILINE)
+    rows = re.findall(r"^\| `([^`]+)` \| (forward or backward|forward|backward) \| ([^|]+?) \| (.+?) \|$", section,
+                      re.MULTILINE)
     return release.group(1), figures, {key: (part, dtypes, why) for key, part, dtypes, why in rows}
 
 

@@ -24,7 +24,8 @@ stale, as on hardware (docs/simulated-npu.md). Known differences from a real dev
 operators run synchronously on the host when called (events record the host's time,
 so timing events measure host time);
 operators run the CPU's kernels (its dtypes, numerics and errors); device random
-numbers come from the CPU generator (no ``torch.Generator("npu")``); collectives
+numbers are drawn by the CPU's kernels from the device generator's seed and offset
+(the CPU's mt19937 numbers, not Philox's); collectives
 run on gloo (what gloo lacks fails with gloo's error; ``unsupported_ops`` adds the
 refusals of a real part, and :func:`fail_next` a broken link's failures);
 ``memory_reserved`` counts bytes allocated on a device since its last

@@ -103,10 +103,6 @@ def install_device(name: str, device_count: int) -> None:
     core.install(device_count)
     core.run_on_host_for(_operators_with_composites())
     generate_methods_for_privateuse1_backend()
-    # torch.autocast(name) needs a kernel for every operator at AutocastPrivateUse1: pass
-    # them all through (the simulation casts nothing; a real plugin registers casts).
-    _LIBRARIES.append(torch.library.Library("_", "IMPL"))  # type: ignore[no-untyped-call]
-    _LIBRARIES[-1].fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
     _register_record_stream()
     module = _build_device_module(name, core)
     torch._register_device_module(name, module)  # type: ignore[no-untyped-call]
@@ -194,6 +190,9 @@ def _build_device_module(name: str, core: Any) -> types.ModuleType:
     functions = {
         "is_available": lambda: True,
         "is_initialized": lambda: True,
+        # torch_npu/npu/__init__.py's flag (True after _lazy_init), which activation checkpointing
+        # reads before it saves the device's RNG state for the replay: set from the start here.
+        "_initialized": True,
         "_is_in_bad_fork": lambda: False,
         "device_count": core.device_count,
         "current_device": core.current_device,
@@ -251,18 +250,23 @@ def _default_stream(index: int) -> torch.Stream:
 
 
 def _random_functions(name: str, core: Any) -> Dict[str, Any]:
-    """torch_npu/npu/random.py's functions over ``default_generators``, one Philox-shaped generator per device."""
-    generators = _device_api.generators(name, int(core.device_count()))
+    """torch_npu/npu/random.py's functions over ``default_generators``, one ``torch.Generator`` per device.
 
-    def generator(device: Any = None) -> _device_api.Generator:
-        return generators[_index_of(device, core)]
+    Each is the device's default generator (``csrc/random.cpp``): a seed and an offset,
+    as torch_npu's NPUGeneratorImpl, whose random operators' numbers the CPU kernels draw.
+    """
+    generators = tuple(core.default_generator(index) for index in range(int(core.device_count())))
+
+    def generator(device: Any = None) -> torch.Generator:
+        found: torch.Generator = generators[_index_of(device, core)]
+        return found
 
     def manual_seed(seed: int) -> None:
-        generator().manual_seed(seed)
+        generator().manual_seed(int(seed))
 
     def manual_seed_all(seed: int) -> None:
         for each in generators:
-            each.manual_seed(seed)
+            each.manual_seed(int(seed))
 
     def seed() -> None:
         generator().seed()
@@ -275,7 +279,7 @@ def _random_functions(name: str, core: Any) -> Dict[str, Any]:
             each.set_state(state)
 
     return {
-        "default_generators": tuple(generators),
+        "default_generators": generators,
         "get_rng_state": lambda device=None: generator(device).get_state(),
         "set_rng_state": lambda state, device=None: generator(device).set_state(state),
         "get_rng_state_all": lambda: [each.get_state() for each in generators],

@@ -2,83 +2,22 @@
 
 Frameworks read these before any collective runs: DeepSpeed's NPU accelerator (tensor
 types, ``default_generators``, ``memory_stats``), Accelerate (``amp.GradScaler``),
-Lightning (``get_rng_state_all``), DTensor's random tracker (an RNG state of seed and
-offset). Each mirrors the torch_npu source named beside it (Ascend/pytorch, master).
+Lightning (``get_rng_state_all``). Each mirrors the torch_npu source named beside it (Ascend/pytorch, master).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import random
 import re
 import types
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["Generator", "amp_module", "event_class", "generators", "get_device_capability", "memory_stats", "mstx",
-           "stream_class", "tensor_types"]
-
-# torch's default seed (c10/core/GeneratorImpl.h, default_rng_seed_val), which a fresh
-# CUDA or NPU generator starts from.
-DEFAULT_SEED = 67280421310721
-_U64 = 1 << 64
-
-
-class Generator:
-    """One device's generator in ``torch.<name>.default_generators``: a Philox state of seed and offset.
-
-    torch_npu's (torch_npu/npu/__init__.py ``default_generators``, filled in
-    ``_lazy_init`` from ``_npu_getDefaultGenerator``) and CUDA's are Philox generators
-    whose ``get_state()`` is 16 bytes: the seed (uint64), then the offset (int64), which
-    DTensor's random tracker reads and advances. The simulated device draws its random
-    numbers from the CPU generator, so setting a state reseeds the CPU generator from
-    (seed, offset): the same state gives the same numbers, another offset others. It
-    is not a ``torch.Generator`` (one cannot be made for a Python device), so it cannot
-    be passed as ``generator=`` to a random operator.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._seed = DEFAULT_SEED
-        self._offset = 0
-
-    def manual_seed(self, seed: int) -> "Generator":
-        self._seed, self._offset = int(seed) % _U64, 0
-        return self
-
-    def seed(self) -> int:
-        chosen = random.getrandbits(63)
-        self.manual_seed(chosen)
-        return chosen
-
-    def initial_seed(self) -> int:
-        return self._seed
-
-    def get_offset(self) -> int:
-        return self._offset
-
-    def set_offset(self, offset: int) -> None:
-        self.set_state(_packed(self._seed, int(offset)))
-
-    def get_state(self) -> torch.Tensor:
-        return _packed(self._seed, self._offset)
-
-    def set_state(self, state: torch.Tensor) -> None:
-        if state.dtype != torch.uint8 or state.numel() != 16:
-            raise RuntimeError(f"RNG state must be 16 bytes (seed, offset) of torch.uint8, got {state.numel()} "
-                               f"of {state.dtype}")
-        words = state.detach().to("cpu").contiguous().view(torch.int64).tolist()
-        self._seed, self._offset = words[0] % _U64, words[1]
-        torch.default_generator.manual_seed((self._seed * 0x9E3779B97F4A7C15 + self._offset) % _U64)
-
-
-def _packed(seed: int, offset: int) -> torch.Tensor:
-    signed = seed - _U64 if seed >= 1 << 63 else seed
-    return torch.tensor([signed, offset], dtype=torch.int64).view(torch.uint8)
-
+__all__ = ["amp_module", "event_class", "get_device_capability", "memory_stats", "mstx", "stream_class",
+           "tensor_types"]
 
 def get_device_capability(device: Any = None) -> Optional[Tuple[int, int]]:
     """torch_npu's answer (torch_npu/npu/__init__.py ``get_device_capability``): None, with a warning.
@@ -207,11 +146,6 @@ def event_class(device_type: str, current: Callable[[], int]) -> type:
                            blocking=blocking, interprocess=interprocess)
 
     return _EventType("Event", (), {"device_type": device_type, "__new__": make, "__module__": f"torch.{device_type}"})
-
-
-def generators(device_type: str, count: int) -> List[Generator]:
-    """One generator per device, as ``default_generators`` holds them."""
-    return [Generator(torch.device(device_type, index)) for index in range(count)]
 
 
 class mstx:  # noqa: N801  (torch_npu's name)

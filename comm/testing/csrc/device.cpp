@@ -243,6 +243,13 @@ struct Hooks final : at::PrivateUse1HooksInterface {
     return pinned.count(data) > 0;
   }
   c10::Allocator* getPinnedMemoryAllocator() const override { return &pinned_allocator; }
+  // torch.<name>.default_generators and torch.Generator("npu") (random.cpp).
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex index) const override {
+    return default_generator(index < 0 ? current_index : checked(index));
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex index) const override {
+    return new_generator(index < 0 ? current_index : checked(index));
+  }
   // untyped_storage().resize_(n): what FSDP2 does to free and refill unsharded parameters.
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t nbytes) const override {
     auto* impl = storage.unsafeGetStorageImpl();
@@ -532,6 +539,11 @@ void on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, const Run&
     }
   }
   auto target = index.value_or(current_index);
+  // A random operator draws from the device's generator (random.cpp).
+  std::optional<RandomDraw> random;
+  if (index && draws_random_numbers(op, c10::ArrayRef<c10::IValue>(*stack).slice(first))) {
+    random.emplace(op, stack, first, *index);
+  }
   run(stack);
   views.write_back();
   for (size_t i = stack->size() - schema.returns().size(); i < stack->size(); ++i) {
@@ -544,6 +556,7 @@ void on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, const Run&
       value = devices;
     }
   }
+  if (random) random->done(c10::ArrayRef<c10::IValue>(*stack).slice(stack->size() - schema.returns().size()));
 }
 
 // `op` as the CPU runs it, on the host arguments on `stack`.
@@ -767,6 +780,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pass_autograd_through_where_torch_does_not();
   });
   m.def("run_on_host_for", &run_on_host_for);
+  m.def("default_generator", [](int index) -> at::Generator {
+    return default_generator(checked(static_cast<c10::DeviceIndex>(index)));
+  });
   m.def("device_count", []() { return device_count.load(); });
   m.def("current_device", []() { return static_cast<int>(current_index); });
   m.def("set_device", [](int index) { current_index = checked(static_cast<c10::DeviceIndex>(index)); });

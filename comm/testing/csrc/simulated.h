@@ -13,6 +13,8 @@
 #include <string>
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 
@@ -124,5 +126,32 @@ c10::intrusive_ptr<c10d::Backend> make_backend(
 // fail: 0 when issued, 1 on the device and reported by wait() (as under blocking wait), 2
 // on the device and reported as HCCL reports it (the backend's error model).
 void fail_next(int mode, int64_t calls, int64_t after);
+
+// The default generator of device `index` (torch.<name>.default_generators), and a new
+// one (torch.Generator("npu")): torch_npu's seed-and-offset state (random.cpp).
+const at::Generator& default_generator(c10::DeviceIndex index);
+at::Generator new_generator(c10::DeviceIndex index);
+
+// Whether `op` draws random numbers: tagged nondeterministic_seeded, or handed a generator.
+bool draws_random_numbers(const c10::OperatorHandle& op, c10::ArrayRef<c10::IValue> arguments);
+
+// One random operator run by its CPU kernel on device `index`'s behalf: the kernel draws
+// from a CPU generator seeded from the device generator's (seed, offset) (the generator
+// argument's, else the device's default), handed to it in place of the generator argument
+// (or, for a kernel without one, the CPU's default generator, whose state is put back
+// when the draw ends). done() advances the device generator's offset past the numbers
+// in `results`.
+class RandomDraw {
+ public:
+  RandomDraw(const c10::OperatorHandle& op, torch::jit::Stack* stack, size_t first, c10::DeviceIndex index);
+  RandomDraw(const RandomDraw&) = delete;
+  RandomDraw& operator=(const RandomDraw&) = delete;
+  ~RandomDraw();
+  void done(c10::ArrayRef<c10::IValue> results);
+
+ private:
+  at::Generator generator_;
+  at::Tensor saved_cpu_state_;
+};
 
 } // namespace comm_sim
