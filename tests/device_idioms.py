@@ -10,8 +10,7 @@ expression whose value is described), and, where the plain reference is not simp
 code with its CUDA names replaced, the reference code. The reference runs on plain torch
 with ``cuda``/``cuda:N`` replaced by the target (``cpu``; ``npu``/``npu:N``) and ``nccl``
 by the target's backend, so an idiom that names no CUDA is compared with itself run
-plainly. ``UNTRANSLATED`` marks an idiom comm leaves as written (a documented limit): its
-reference is the code as written, run plainly.
+plainly.
 
 Every idiom runs in a child forked from this process once it has started (after ``-m
 comm`` has patched): each starts from the state a script starts from, and nothing one
@@ -33,8 +32,6 @@ from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 
-# The reference of an idiom comm does not translate: the code as written, run plainly.
-UNTRANSLATED = "as written"
 # A one-rank process group on an in-memory store, for the idioms that need one.
 GROUP = "dist.init_process_group('nccl', store=dist.HashStore(), rank=0, world_size=1)"
 
@@ -141,7 +138,11 @@ IDIOMS: List[Idiom] = [
     Idiom("torch.load(map_location=a callable)", "torch.load(BUF, map_location=lambda s, loc: s)"),
     # Generators and mixed precision.
     Idiom("torch.Generator(device='cpu')", "torch.Generator(device='cpu')"),
-    Idiom("torch.Generator(device='cuda')", "torch.Generator(device='cuda')", UNTRANSLATED),
+    Idiom("torch.Generator(device='cuda')", "torch.Generator(device='cuda')"),
+    Idiom("torch.Generator('cuda') draws", "g = torch.Generator('cuda').manual_seed(3); "
+          "torch.rand(3, device='cuda', generator=g)"),
+    Idiom("torch.cuda.manual_seed", "torch.cuda.manual_seed(3); torch.rand(3, device='cuda')",
+          {"cpu": "torch.rand(3)", "npu": None}),  # on the CPU, torch.cuda.manual_seed reseeds nothing
     Idiom("torch.autocast('cuda')", "with torch.autocast('cuda', dtype=torch.bfloat16): r = torch.mm(torch.ones(2, 2, "
           "device='cuda'), torch.ones(2, 2, device='cuda'))\nr"),
     Idiom("torch.autocast('cpu')", "with torch.autocast('cpu'): r = torch.mm(torch.ones(2, 2), torch.ones(2, 2))\nr"),
@@ -191,8 +192,6 @@ def reference(idiom: Idiom, target: str) -> str:
     code = idiom.reference
     if isinstance(code, dict):
         code = code[target]
-    if code == UNTRANSLATED:
-        return idiom.code
     if code is None:
         code = idiom.code
     backend = "gloo" if target == "cpu" else "hccl"

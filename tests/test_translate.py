@@ -499,3 +499,20 @@ def test_starting_the_simulation_without_editing_the_script_refuses_bad_names():
     missing = subprocess.run([sys.executable, "-m", "comm", "--simulate"], capture_output=True, text=True,
                              env=quiet_env(), timeout=120)
     assert missing.returncode != 0 and "--simulate needs an accelerator name" in missing.stderr
+
+
+def test_generator_stands_in_as_a_class(translated):
+    """torch.Generator("cuda") is torch's own generator of the target; every torch generator is a torch.Generator."""
+    import pickle
+
+    made = torch.Generator("cuda")
+    assert type(made) is torch._C.Generator and made.device == torch.device("cpu")
+    assert isinstance(made, torch.Generator) and isinstance(torch.default_generator, torch.Generator)
+    plain = torch._C.Generator().manual_seed(1)
+    assert torch.rand(2, generator=made.manual_seed(1)).equal(torch.rand(2, generator=plain))
+
+    class Seeded(torch.Generator):
+        pass
+
+    assert isinstance(Seeded("cuda:0"), Seeded) and Seeded("cuda:0").device == torch.device("cpu")
+    assert pickle.loads(pickle.dumps(made)).device == torch.device("cpu")

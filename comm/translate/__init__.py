@@ -14,7 +14,7 @@ initialising CUDA, comm translates those calls where a device or backend is cons
   ``with torch.device(...)`` and ``torch.set_default_device``, ``pin_memory``,
   DDP's ``device_ids``/``output_device``, ``init_process_group``/``new_group``
   (backend and ``device_id``), ``init_device_mesh``, ``torch.autocast``, the gradient
-  scalers and ``torch.load``'s ``map_location`` (:mod:`comm.translate.calls`).
+  scalers, ``torch.Generator`` and ``torch.load``'s ``map_location`` (:mod:`comm.translate.calls`).
 
 torch's own sets that recognise functions by identity keep recognising them
 (:mod:`comm.translate.identities`), so what torch does where no CUDA is named, it

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from comm.backend import default_backend
+from comm.translate.classes import Generator
 from comm.translate.core import NOTED, note, target_type, targets_of, translated_device, translated_type
 from comm.translate.cuda import current_device
 
@@ -325,6 +326,7 @@ def targets() -> List[Tuple[Any, str, Any]]:
         (torch._C._nn, "_parse_to", _to(torch._C._nn._parse_to, "torch._C._nn._parse_to", method=False)),
         (torch.Tensor, "cuda", tensor_cuda),
         (torch.Tensor, "pin_memory", tensor_pin_memory),
+        (torch, "Generator", Generator),
         _method(DistributedDataParallel, "__init__", _ddp_init),
         _method(DataLoader, "__init__", _data_loader_init),
         _method(autocast, "__init__", lambda f: _first_argument_type(f, "torch.autocast")),

@@ -1,6 +1,6 @@
-"""``torch.cuda.Stream`` and ``torch.cuda.Event`` in the drop-in mode: classes that stand for the
-accelerator's own, so that ``isinstance``, subclassing and annotations such as
-``torch.cuda.Stream | None`` work as they do with CUDA.
+"""``torch.cuda.Stream``, ``torch.cuda.Event`` and ``torch.Generator`` in the drop-in mode: classes
+that stand for torch's or the accelerator's own, so that ``isinstance``, subclassing and
+annotations such as ``torch.cuda.Stream | None`` work as they do with CUDA.
 """
 
 from __future__ import annotations
@@ -113,3 +113,34 @@ class Event(metaclass=_StandsFor):
         if not self.enable_timing or self.recorded is None or end.recorded is None:
             raise RuntimeError("elapsed_time needs two recorded events created with enable_timing=True")
         return (end.recorded - self.recorded) * 1000.0
+
+
+_TORCH_GENERATOR = torch._C.Generator
+
+
+class _AnyGenerator(type(_TORCH_GENERATOR)):  # type: ignore[misc]  # torch's metaclass for its opaque classes
+    """The type of the ``torch.Generator`` stand-in: every torch generator is an instance of it."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, _TORCH_GENERATOR)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, _TORCH_GENERATOR)
+
+
+class Generator(_TORCH_GENERATOR, metaclass=_AnyGenerator):
+    """``torch.Generator(device)``: a CUDA device's becomes the accelerator's generator (or the CPU's).
+
+    ``torch.Generator("cuda")`` raises without CUDA; here it makes torch's own generator
+    of the translated device, so ``generator=`` arguments on the accelerator's tensors
+    accept it. Any torch generator is an instance of this class, and a subclass
+    (``class MyGenerator(torch.Generator)``) gets an instance of itself.
+    """
+
+    def __new__(cls, device: Any = "cpu") -> Any:
+        target = translated_device(device)
+        if target is not device:
+            note("torch.Generator", lambda: f"torch.Generator({device!r}) into torch.Generator({target!r})")
+        if cls is Generator:
+            return _TORCH_GENERATOR(target)
+        return _TORCH_GENERATOR.__new__(cls, target)  # type: ignore[call-arg]  # torch's stub omits its arguments
