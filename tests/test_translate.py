@@ -98,6 +98,9 @@ def test_policy_user_code_takes_its_cuda_branch_libraries_do_not(translated, lau
         "json": _asked_from("json", __import__("json").__file__),
         # the device-selection frameworks, which then run on the device through torch.cuda, see True
         "lightning": _asked_from("lightning.fabric.accelerators.cuda", str(site / "lightning" / "cuda.py")),
+        # ... as do torch's own test helpers (skip_if_lt_x_gpu), but not the rest of torch.testing
+        "torch.testing._internal": _asked_from("torch.testing._internal.common_distributed", torch.__file__),
+        "torch.testing": _asked_from("torch.testing._comparison", torch.__file__),
         # the user's script and its own modules (wherever they are), and code typed in, see True
         "__main__": _asked_from("__main__", str(tmp_path / "train.py")),
         "models": _asked_from("models.llama", str(tmp_path / "models" / "llama.py")),
@@ -105,8 +108,16 @@ def test_policy_user_code_takes_its_cuda_branch_libraries_do_not(translated, lau
     }
     truth, told = (False, 0), (True, 2)
     assert answers == {"torch.distributed.device_mesh": truth, "comm.slot": truth, "torchao.utils": truth,
-                       "transformers": truth, "json": truth, "lightning": told, "__main__": told, "models": told,
-                       "<stdin>": told}
+                       "transformers": truth, "json": truth, "lightning": told, "torch.testing._internal": told,
+                       "torch.testing": truth, "__main__": told, "models": told, "<stdin>": told}
+
+
+def test_torchs_test_helpers_count_the_devices(translated, launched):
+    """torch's skip_if_lt_x_gpu, asked under the translation, runs a test that needs 2 "GPUs" on 2 ranks' devices."""
+    from torch.testing._internal.common_distributed import skip_if_lt_x_gpu
+
+    launched({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"})
+    assert skip_if_lt_x_gpu(2)(lambda: "ran")() == "ran"  # told the truth (no CUDA), it exits the test as skipped
 
 
 def test_stand_ins_for_classes_are_classes(translated):

@@ -3,7 +3,8 @@
 The user's script and its own modules do, so a trainer takes its CUDA branch, which comm
 translates; torch, comm and installed packages see the truth, so a library is not sent
 down a path that needs CUDA itself. Device-selection frameworks that then run through
-``torch.cuda`` (Lightning's ``accelerator="cuda"``) are the exception.
+``torch.cuda`` (Lightning's ``accelerator="cuda"``, torch's own test helpers in
+``torch.testing._internal``) are the exception.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import sys
 import sysconfig
 from typing import Tuple
 
-# Installed packages that choose the device from is_available() and then run on it through
-# torch.cuda's functions, which the stand-in translates: Lightning's accelerator="cuda".
-DEVICE_SELECTORS = frozenset({"lightning", "lightning_fabric", "pytorch_lightning"})
+# Installed packages (and torch's own test helpers) that choose the device from is_available()
+# and device_count(), then run on it through torch.cuda's functions, init_process_group("nccl")
+# and .to("cuda:N"), which the translation translates: Lightning's accelerator="cuda";
+# torch.testing._internal's skip_if_lt_x_gpu and the distributed tests' device choice.
+DEVICE_SELECTORS = frozenset({"lightning", "lightning_fabric", "pytorch_lightning", "torch.testing._internal"})
 _OWN = frozenset({"torch", "comm"})
 _INSTALLED = ("site-packages", "dist-packages")
 
@@ -25,8 +28,8 @@ def sees_the_truth(depth: int = 2) -> bool:
     """Whether the function ``depth`` frames up was called by code that must see that there is no CUDA.
 
     That is torch and comm, and installed packages (code in a site-packages or
-    dist-packages folder, or the standard library) other than the device-selection
-    frameworks of :data:`DEVICE_SELECTORS`: a library told ``True`` takes paths that
+    dist-packages folder, or the standard library), other than the device-selection
+    frameworks and torch's test helpers of :data:`DEVICE_SELECTORS`: a library told ``True`` takes paths that
     need CUDA itself (capability checks, Triton kernels, fused optimizers). The user's
     script and its own modules see ``True``.
     """
@@ -36,12 +39,17 @@ def sees_the_truth(depth: int = 2) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _truth_for(module: str, filename: str) -> bool:
-    top = module.partition(".")[0]
-    if top in _OWN:
-        return True
-    if top in DEVICE_SELECTORS:
+    if _is_selector(module):
         return False
+    if module.partition(".")[0] in _OWN:
+        return True
     return _is_installed_code(filename)
+
+
+def _is_selector(module: str) -> bool:
+    """Whether ``module`` is one of :data:`DEVICE_SELECTORS` or inside one (``torch.testing._internal.x``)."""
+    parts = module.split(".")
+    return any(".".join(parts[:length]) in DEVICE_SELECTORS for length in range(1, len(parts) + 1))
 
 
 @functools.lru_cache(maxsize=1)
