@@ -12,6 +12,11 @@ VENV := .venv-torch$(TORCH)
 CONSTRAINTS := $(VENV)/constraints.txt
 endif
 PY := $(VENV)/bin/python
+# The differential fuzzer's cases per tier (tests/test_fuzz.py: 300 in make test, 4,000 in make
+# test-integration): on another torch release, 150 in each unless COMM_FUZZ_CASES says otherwise.
+ifneq ($(TORCH),$(PINNED_TORCH))
+export COMM_FUZZ_CASES ?= 150
+endif
 # torch warns at import when numpy is absent; comm does not need numpy.
 export PYTHONWARNINGS := ignore:Failed to initialize NumPy
 export OMP_NUM_THREADS ?= 1
