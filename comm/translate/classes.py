@@ -115,7 +115,8 @@ class Event(metaclass=_StandsFor):
         return (end.recorded - self.recorded) * 1000.0
 
 
-_TORCH_GENERATOR = torch._C.Generator
+# torch's own class, read when this module is imported: before the translation puts the stand-in below in its place.
+_TORCH_GENERATOR = torch.Generator
 
 
 class _AnyGenerator(type(_TORCH_GENERATOR)):  # type: ignore[misc]  # torch's metaclass for its opaque classes
