@@ -58,6 +58,8 @@ def _failures(cases: Sequence[fuzz.Case]) -> List[str]:
         for variant in ("staged", "control"):
             ranks = reports[case.id, variant]
             problems = [f"rank {rank}: {problem}" for rank, report in ranks for problem in report["problems"]]
+            if sorted(rank for rank, _ in ranks) != case.group_ranks():
+                problems.append(f"reports came from ranks {sorted(rank for rank, _ in ranks)} only")
             refused = sorted(rank for rank, report in ranks if report["outcome"] is not None)
             if refused and len(refused) != len(ranks):
                 problems.append(f"refused on ranks {refused} only")
