@@ -394,6 +394,18 @@ bool in_pinned(const at::Tensor& tensor) {
   return pinned.count(tensor.storage().data()) > 0;
 }
 
+// A copy between pageable host memory and the device, charged as the runtime does it: the
+// host first copies the pageable side into a page-locked buffer of the runtime's, which the
+// device then transfers (CUDA's driver does, per its C++ Best Practices Guide, "Pinned
+// memory"; assumed of Ascend's runtime, not verified). Here both steps are host copies, the
+// second standing for the transfer as a pinned buffer's copy does: a pageable copy costs
+// what a copy into pinned memory and its transfer cost, as comm's staging does (issue 47).
+void through_staging(const at::Tensor& self, const at::Tensor& src) {
+  auto staging = at::empty(src.sizes(), src.options().pinned_memory(false));
+  staging.copy_(src);
+  self.copy_(staging);
+}
+
 // A copy waits for what its devices were told to wait for. A blocking copy between the
 // host and the device is a host synchronisation, and a drain when work was queued on the
 // device: torch_npu's copy_ synchronises the current stream before a blocking H2D or D2H
@@ -422,7 +434,11 @@ at::Tensor& copy(at::Tensor& self, const at::Tensor& src, bool non_blocking) {
     ++device_counters[*device_side].host_syncs;
     if (queued) ++device_counters[*device_side].drains;
   }
-  host_or_self(self).copy_(host_or_self(src), non_blocking);
+  if (crosses && !in_pinned(host)) {
+    through_staging(host_or_self(self), host_or_self(src));
+  } else {
+    host_or_self(self).copy_(host_or_self(src), non_blocking);
+  }
   return self;
 }
 
