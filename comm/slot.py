@@ -48,9 +48,11 @@ __all__ = ["adopt_thread", "cached_groups", "communicators", "equip", "equipped_
            "staged_types", "staging_device", "target_device", "unavailable_reason"]
 
 # A host tensor's all-reduce of at least twice this many bytes is staged in chunks of
-# this size, pipelined (COMM_STAGING_CHUNK_BYTES overrides it; 0: never). Chosen without
-# a device to measure on: large enough that a chunk's copies run near a link's full speed.
-CHUNK_BYTES = 16 << 20
+# this size, pipelined (COMM_STAGING_CHUNK_BYTES overrides it; 0: never). Chosen by a sweep
+# on two simulated NPUs (benchmarks/chunking.py, docs/benchmarks.md): 4 and 8 MiB chunks were
+# the quickest at 16, 64 and 256 MiB, 16 MiB ones 10 to 25 % slower; 8 MiB makes half as
+# many collectives as 4, and a chunk stays large enough for a link's full speed.
+CHUNK_BYTES = 8 << 20
 
 # torch's private names used here, with why: comm/_torch_private.py (the one list).
 # GROUP_CREATION is where c10d creates every group. comm.patch() wraps whatever function

@@ -111,7 +111,7 @@ def _seconds(call, repeats=5):
 
 
 def test_pipelined_staging_against_the_slowest_of_its_parts(nccl_group):
-    """256 MiB staged in 16 MiB chunks (comm's default): copy in, all_reduce and copy back overlap, so the whole takes
+    """256 MiB staged in 8 MiB chunks (comm's default): copy in, all_reduce and copy back overlap, so the whole takes
     little more than its slowest part alone (target <= x1.2)."""
     comm.equip()
     host = torch.ones(1 << 26)  # 256 MiB of float32, pageable
