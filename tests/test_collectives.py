@@ -388,7 +388,7 @@ def test_stats_and_the_staging_log():
         assert stats["all_reduce"]["bytes_staged"] == 3 * 32
         assert stats["all_reduce"]["staging_seconds"] > 0
         assert stats["broadcast"]["staged_calls"] == 1
-        assert stats["broadcast"]["bytes_staged"] == (16 if rank == 0 else 32)  # the source copies nothing back
+        assert stats["broadcast"]["bytes_staged"] == 16  # the source copies nothing back, the others nothing in
         assert messages == [f"comm stages cpu on group '0' onto npu:{rank}"], messages  # comm.bind's device
 
 

@@ -32,8 +32,9 @@ WorkPtr allreduceCopies(StagedCall& call, Tensors copies, const c10d::AllreduceO
 
 WorkPtr StagingBackend::broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) {
   return stage("broadcast", c10d::OpType::BROADCAST, [&](StagedCall& call) {
-    // The source's tensors are only read: nothing comes back to them.
-    auto copies = getRank() == opts.rootRank ? call.inReported(tensors) : call.inOut(tensors);
+    // The source's tensors are only read: nothing comes back to them. The other ranks'
+    // are only written, whole: buffers, with nothing copied in (as the fix by hand does).
+    auto copies = getRank() == opts.rootRank ? call.inReported(tensors) : call.out(tensors);
     return call.communicator().broadcast(copies, opts);
   });
 }
