@@ -63,7 +63,8 @@ def _rules(rank, world_size):
     seen["recv any source"] = error_of(dist.recv, _npu(rank, [0.0]))
     seen["avg"] = _all_reduce(rank, torch.float32, ReduceOp.AVG).tolist()
     seen["avg reduce_scatter"] = _reduce_scatter(rank, torch.float32, ReduceOp.AVG).tolist()
-    seen["integer avg"] = error_of(_all_reduce, rank, torch.int64, ReduceOp.AVG)
+    seen["integer avg"] = [_all_reduce(rank, dtype, ReduceOp.AVG, values=[rank + 4, 2 * rank + 1]).tolist()
+                           for dtype in (torch.int32, torch.uint8, torch.int64)]
     premul = dist._make_nccl_premul_sum(0.5)
     seen["premul_sum"] = _all_reduce(rank, torch.float32, premul).tolist()
     seen["premul_sum reduce_scatter"] = _reduce_scatter(rank, torch.float32, premul).tolist()
@@ -87,7 +88,27 @@ def _shapes(rank, world_size):
     gathered = [torch.zeros(shape, device=f"npu:{rank}") for shape in shapes]
     dist.all_gather(gathered, mine.to(f"npu:{rank}"))
     seen["uneven"] = [tensor.cpu().tolist() for tensor in gathered]
+    strided = torch.zeros(6, device=f"npu:{rank}")[::2]  # Ascend's fault case error_discontinuous_tensor
+    seen["not contiguous"] = error_of(dist.all_reduce, strided)
+    seen["transposed"] = error_of(dist.broadcast, torch.zeros(3, 2, device=f"npu:{rank}").t(), 0)
+    seen["channels_last"] = error_of(dist.all_reduce, torch.ones(1, 2, 2, 2, device=f"npu:{rank}").contiguous(
+        memory_format=torch.channels_last))  # dense in its own format: taken
+    other = f"npu:{(rank + 1) % world_size}"  # Ascend's fault case error_size: inputs on another NPU
+    seen["another npu"] = error_of(dist.reduce_scatter_tensor, torch.zeros(1, device=f"npu:{rank}"),
+                                   torch.zeros(world_size, device=other))
     return seen
+
+
+def _to_itself(rank, world_size):
+    """Ascend's batch_isend_irecv tests send to and receive from the rank itself, beside its peers."""
+    peer = (rank + 1) % world_size
+    sent = [_npu(rank, [10.0 * rank + 1]), _npu(rank, [10.0 * rank + 2])]
+    got = [torch.zeros(1, device=f"npu:{rank}") for _ in range(2)]
+    ops = [dist.P2POp(dist.irecv, got[0], rank), dist.P2POp(dist.isend, sent[0], rank),  # its receive listed first
+           dist.P2POp(dist.isend, sent[1], peer), dist.P2POp(dist.irecv, got[1], (rank - 1) % world_size)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return [tensor.cpu().item() for tensor in got]
 
 
 def _lenient(rank, world_size):
@@ -150,13 +171,30 @@ def test_receive_from_any_source_is_refused(rules):
         assert seen["recv any source"] == "ProcessGroupHCCL does not support recv"
 
 
-def test_avg_is_sum_then_a_divide_and_integers_are_refused(rules):
+def test_avg_is_sum_then_a_divide_and_integers_average_to_integers(rules):
     """getHcclReduceOp maps AVG to SUM (master:ProcessGroupHCCL.cpp:136-141); the outputs are divided after
-    (:4808-4816, 6272-6280); an integer's div_ raises torch's error off Ascend950."""
+    (:4808-4816, 6272-6280); integers to integers, floor-divided, as Ascend's test_dist_all_reduce_avg and
+    test_dist_all_reduce_uint8_avg expect (sums 9 and 4 over 2 ranks)."""
     for seen in rules:
         assert seen["avg"] == [1.5, 2.0]
         assert seen["avg reduce_scatter"] == [[1.5], [2.5]][rules.index(seen)]
-        assert "result type Float can't be cast to the desired output type Long" in seen["integer avg"]
+        assert seen["integer avg"] == [[4, 2]] * 3
+
+
+def test_tensors_must_be_contiguous_and_on_one_npu(rules):
+    """check_npu_single_tensor / check_npu_tensors_different_devices: Ascend's fault cases
+    error_discontinuous_tensor and error_size. A channels_last tensor is dense in its own format."""
+    for seen in rules:
+        assert "Tensors must be contiguous" in seen["not contiguous"]
+        assert "Tensors must be contiguous" in seen["transposed"]
+        assert seen["channels_last"] is None
+        assert "must all reside on the same device" in seen["another npu"]
+
+
+def test_a_batch_sends_to_and_receives_from_the_rank_itself():
+    """Ascend's batch_isend_irecv tests include a rank's own rank as a peer: gloo has no pair to itself."""
+    got = run_ranks(_to_itself, 2, backend="hccl", simulate=NPU)
+    assert got == [[1.0, 12.0], [11.0, 2.0]]
 
 
 def test_premul_sum_scales_then_sums(rules):

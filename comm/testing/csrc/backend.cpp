@@ -284,6 +284,46 @@ class JoinedWork final : public c10d::Work {
   std::vector<WorkPtr> works_;
 };
 
+// A message a rank sends to itself, as the host side of a send or receive: gloo has no
+// pair to the rank itself ("Pair is not connected"). The send's work is done once its
+// tensor is copied into the message; the receive's once the message has been copied out.
+class SelfMessage final : public c10d::Work {
+ public:
+  explicit SelfMessage(c10d::OpType type) : Work(-1, type) {}
+  // The send: the data, copied now (the caller may reuse its tensor once the send is waited).
+  void post(const Tensors& sent) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const auto& tensor : sent) data_.push_back(tensor.clone());
+      posted_ = true;
+    }
+    ready_.notify_all();
+  }
+  // The receive: `into` gets the message once it is posted.
+  void deliver_into(Tensors into) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    into_ = std::move(into);
+  }
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return posted_;
+  }
+  bool wait(std::chrono::milliseconds) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    ready_.wait(lock, [this] { return posted_; });
+    for (size_t i = 0; i < into_.size() && i < data_.size(); ++i) into_[i].copy_(data_[i]);
+    into_.clear();
+    return true;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  bool posted_ = false;
+  Tensors data_;
+  Tensors into_;
+};
+
 // HCCL's rules, as torch_npu's ProcessGroupHCCL applies them (torch_npu 2.13 and 2.9.1;
 // sources read: Ascend/pytorch master and v2.9.0-26.0.0, torch_npu/csrc/distributed/,
 // cited "master:" and "2.9.1:" below; ../shared/reference/torch-npu-reality.md has the
@@ -392,6 +432,7 @@ class SimulatedBackend final : public c10d::Backend {
   template <typename Options, typename Run>
   WorkPtr casting(const char* function, Tensors& tensors, const Options& opts, c10d::OpType type, Run&& run) {
     reducible(function, tensors, /*casts=*/true);
+    dense(tensors);
     auto hosts = to_host(tensors);
     auto host_opts = opts;
     auto after = reduce_op(host_opts.reduceOp, hosts, tensors);
@@ -399,6 +440,7 @@ class SimulatedBackend final : public c10d::Backend {
   }
   WorkPtr broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) override {
     mapped(tensors);
+    dense(tensors);
     auto hosts = to_host(tensors);
     return done(host_->broadcast(hosts, opts), tensors, c10d::OpType::BROADCAST);
   }
@@ -418,6 +460,7 @@ class SimulatedBackend final : public c10d::Backend {
   }
   WorkPtr allgather(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) override {
     mapped(inputs);
+    dense(inputs, flat(outputs));
     if (!lenient_ && outputs.size() == 1 && inputs.size() == 1 && !same_sizes(outputs[0])) {
       return uneven_allgather(outputs[0], inputs[0], opts);
     }
@@ -430,6 +473,7 @@ class SimulatedBackend final : public c10d::Backend {
   // master; ProcessGroupNCCL's is alike). gloo wants world size rows of the input's shape.
   WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) override {
     mapped({input});
+    dense({input, output});
     TORCH_CHECK(input.dtype() == output.dtype(), "output tensor must have the same type as input tensor");
     TORCH_CHECK(input.numel() * getSize() == output.numel(),
                 "output tensor size must be equal to world_size times input tensor size");
@@ -450,6 +494,7 @@ class SimulatedBackend final : public c10d::Backend {
   WorkPtr allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                           const c10d::AllgatherOptions& opts) override {
     mapped(inputs);
+    dense(inputs, outputs);
     auto host_outputs = to_host(outputs);
     auto host_inputs = to_host(inputs);
     return join(done(host_->allgather_into_tensor_coalesced(host_outputs, host_inputs, opts), outputs,
@@ -457,12 +502,14 @@ class SimulatedBackend final : public c10d::Backend {
   }
   WorkPtr gather(TensorLists& outputs, Tensors& inputs, const c10d::GatherOptions& opts) override {
     mapped(inputs);
+    dense(inputs, flat(outputs));
     auto host_outputs = to_host(outputs);
     auto host_inputs = to_host(inputs);
     return done(host_->gather(host_outputs, host_inputs, opts), flat(outputs), c10d::OpType::GATHER);
   }
   WorkPtr scatter(Tensors& outputs, TensorLists& inputs, const c10d::ScatterOptions& opts) override {
     mapped(outputs);
+    dense(outputs, flat(inputs));
     auto host_outputs = to_host(outputs);
     auto host_inputs = to_host(inputs);
     return done(host_->scatter(host_outputs, host_inputs, opts), outputs, c10d::OpType::SCATTER);
@@ -470,6 +517,7 @@ class SimulatedBackend final : public c10d::Backend {
   // The reduce-scatters check dtypes with no cast of bool or uint8 (master:ProcessGroupHCCL.cpp:5982, 6234, 6307).
   WorkPtr reduce_scatter(Tensors& outputs, TensorLists& inputs, const c10d::ReduceScatterOptions& opts) override {
     reducible("reduce_scatter", outputs, /*casts=*/false);
+    dense(outputs, flat(inputs));
     auto host_outputs = to_host(outputs);
     auto host_inputs = to_host(inputs);
     auto host_opts = opts;
@@ -485,6 +533,7 @@ class SimulatedBackend final : public c10d::Backend {
   // As _allgather_base: the element count is checked (ProcessGroupHCCL::_reduce_scatter_base, master).
   WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
     reducible("_reduce_scatter_base", {input}, /*casts=*/false);
+    dense({input, output});
     TORCH_CHECK(input.dtype() == output.dtype(), "input tensor must be the same type as the output tensor.");
     TORCH_CHECK(input.numel() == output.numel() * getSize(),
                 "input tensor must be the same size as output size times world size");
@@ -498,6 +547,7 @@ class SimulatedBackend final : public c10d::Backend {
   WorkPtr reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                           const c10d::ReduceScatterOptions& opts) override {
     reducible("reduce_scatter_tensor_coalesced", inputs, /*casts=*/false);
+    dense(inputs, outputs);
     auto host_outputs = to_host(outputs);
     auto host_inputs = to_host(inputs);
     auto host_opts = opts;
@@ -508,6 +558,7 @@ class SimulatedBackend final : public c10d::Backend {
   WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
                         std::vector<int64_t>& input_splits, const c10d::AllToAllOptions& opts) override {
     mapped({input});
+    dense({input, output});
     auto host_output = to_host(output);
     auto host_input = to_host(input);
     return done(host_->alltoall_base(host_output, host_input, output_splits, input_splits, opts), {output},
@@ -521,15 +572,19 @@ class SimulatedBackend final : public c10d::Backend {
   }
   WorkPtr send(Tensors& tensors, int dst, int tag) override {
     mapped(tensors);
+    dense(tensors);
     peer(tensors, dst);
     auto hosts = to_host(tensors);
-    return join(done(host_->send(hosts, dst, tag), tensors, c10d::OpType::SEND), /*p2p=*/true);
+    WorkPtr host = dst == getRank() && !lenient_ ? to_self(hosts, tag) : host_->send(hosts, dst, tag);
+    return join(done(host, tensors, c10d::OpType::SEND), /*p2p=*/true);
   }
   WorkPtr recv(Tensors& tensors, int src, int tag) override {
     mapped(tensors);
+    dense(tensors);
     peer(tensors, src);
     auto hosts = to_host(tensors);
-    return join(done(host_->recv(hosts, src, tag), tensors, c10d::OpType::RECV), /*p2p=*/true);
+    WorkPtr host = src == getRank() && !lenient_ ? from_self(hosts, tag) : host_->recv(hosts, src, tag);
+    return join(done(host, tensors, c10d::OpType::RECV), /*p2p=*/true);
   }
   WorkPtr recvAnysource(Tensors& tensors, int tag) override {
     // master:ProcessGroupHCCL.cpp:6988-6992; 2.9.1:ProcessGroupHCCL.cpp:6652-6655.
@@ -548,6 +603,55 @@ class SimulatedBackend final : public c10d::Backend {
     for (const auto& tensor : tensors) {
       TORCH_CHECK(hccl::mapped(tensor.scalar_type()), "Unsupported data type for ", upper_, " process group");
     }
+  }
+  // check_npu_single_tensor and check_npu_tensors_different_devices (ProcessGroupHCCL.cpp,
+  // Ascend/pytorch master): a tensor HCCL reads or writes in place must be dense in its
+  // suggested memory format ("Tensors must be contiguous": Ascend's fault case
+  // error_discontinuous_tensor), where gloo would compute on the view's storage as if it
+  // were; lists of tensors HCCL copies through a flat buffer (`others`) need not be. And a
+  // call's tensors lie on one NPU (Ascend's fault case error_size asserts "... must all
+  // reside on the same device" of a reduce-scatter whose inputs are on another NPU).
+  void dense(const Tensors& tensors, const Tensors& others = {}) const {
+    if (lenient_) return;
+    for (const auto& tensor : tensors) {
+      if (tensor.device().type() != kDevice) continue; // another device type: to_host says the group's error
+      TORCH_CHECK(tensor.is_contiguous(tensor.suggest_memory_format()), "Tensors must be contiguous");
+    }
+    std::optional<c10::Device> first;
+    for (const auto* list : {&tensors, &others}) {
+      for (const auto& tensor : *list) {
+        if (tensor.device().type() != kDevice) continue; // another device type: to_host says the group's error
+        if (!first) first = tensor.device();
+        TORCH_CHECK(tensor.device() == *first, "Tensors must all reside on the same device, got ", *first, " and ",
+                    tensor.device());
+      }
+    }
+  }
+  // A rank's sends to itself and receives from itself (Ascend's batch_isend_irecv tests
+  // include them, and every receive holds what was sent), matched in order per tag, in
+  // whichever order the two are issued: one message each, which the send posts and the
+  // receive's work copies out.
+  c10::intrusive_ptr<SelfMessage> message_for(int tag, bool sending) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& waiting = sending ? self_receives_[tag] : self_sends_[tag];
+    if (!waiting.empty()) {
+      auto message = waiting.front();
+      waiting.pop_front();
+      return message;
+    }
+    auto message = c10::make_intrusive<SelfMessage>(c10d::OpType::SEND);
+    (sending ? self_sends_[tag] : self_receives_[tag]).push_back(message);
+    return message;
+  }
+  WorkPtr to_self(const Tensors& hosts, int tag) {
+    auto message = message_for(tag, /*sending=*/true);
+    message->post(hosts);
+    return message;
+  }
+  WorkPtr from_self(const Tensors& hosts, int tag) {
+    auto message = message_for(tag, /*sending=*/false);
+    message->deliver_into(hosts);
+    return message;
   }
   static bool same_sizes(const Tensors& tensors) {
     return std::all_of(tensors.begin(), tensors.end(),
@@ -629,16 +733,27 @@ class SimulatedBackend final : public c10d::Backend {
     switch (op.op_) {
       case c10d::ReduceOp::AVG: {
         // SUM, then each output divided by the group's size on the device
-        // (master:ProcessGroupHCCL.cpp:136-141, 4808-4816). An integer tensor's div_
-        // raises torch's error there (except on Ascend950, which truncates): here
-        // before the collective, on hardware after it.
-        for (const auto& tensor : outputs) at::empty({0}, tensor.options().device(at::kCPU)).div_(getSize());
+        // (master:ProcessGroupHCCL.cpp:136-141, 4808-4816). Integers average to integers:
+        // Ascend's own tests assert it of int32 and uint8 on every part (test/distributed
+        // test_allreduce.py, test_dist_all_reduce_avg and _uint8_avg, whose expected values
+        // are the sum floor-divided by the world size); how HCCL rounds a negative sum that
+        // does not divide is not read from its source: floor, as the tests compute.
+        // A bool has no average: refused at the call, as NCCL refuses it (HCCL's answer not read).
+        for (const auto& tensor : outputs) {
+          TORCH_CHECK(tensor.scalar_type() != at::kBool, "Cannot use ReduceOp.AVG with boolean inputs");
+        }
         op = c10d::ReduceOp(c10d::ReduceOp::SUM);
         auto size = getSize();
         Tensors hosts; // the device's step runs on the stream's worker, on host views
         for (const auto& tensor : outputs) hosts.push_back(host_view(tensor));
         return [hosts, size]() {
-          for (auto tensor : hosts) tensor.div_(size);
+          for (auto tensor : hosts) {
+            if (at::isIntegralType(tensor.scalar_type(), /*includeBool=*/false)) {
+              tensor.div_(size, "floor");
+            } else {
+              tensor.div_(size);
+            }
+          }
         };
       }
       case c10d::ReduceOp::PREMUL_SUM: {
@@ -741,6 +856,8 @@ class SimulatedBackend final : public c10d::Backend {
     charge(index, c10::str("p2p:", rank), 2 * env_int("P2P_HCCL_BUFFSIZE", 20));
   }
 
+  std::map<int, std::deque<c10::intrusive_ptr<SelfMessage>>> self_sends_;
+  std::map<int, std::deque<c10::intrusive_ptr<SelfMessage>>> self_receives_;
   c10::intrusive_ptr<c10d::Backend> host_;
   std::string name_;
   std::string upper_;
