@@ -85,6 +85,16 @@ def _gathers_uneven_unknown(group: dist.ProcessGroup) -> bool:
     return not set(backends_by_device(backend_config(group)).values()) <= {"gloo", "nccl"}
 
 
+# Backends whose AVG of integers is an integer, where comm's SUM-and-divide stands in for their AVG: HCCL,
+# as Ascend's own tests expect (test/distributed test_allreduce.py, test_dist_all_reduce_avg and _uint8_avg:
+# the sum floor-divided by the world size). Elsewhere an integer AVG gets torch's error for the divide.
+AVERAGES_INTEGERS = frozenset({"hccl"})
+
+
+def _integral(tensor: torch.Tensor) -> bool:
+    return not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool
+
+
 def _average(kind: str, output: str) -> Gap:
     """A call with ``op=ReduceOp.AVG`` run as SUM and divide where the backend lacks AVG."""
 
@@ -103,10 +113,13 @@ def _average(kind: str, output: str) -> Gap:
         bound = _bound(torch_call, args, kwargs)
         outputs = _tensors(bound.arguments[output])
         group = resolve_group(bound.arguments.get("group"))
-        if bound.arguments["op"] != ReduceOp.AVG or not outputs or native_avg(group, outputs[0].device.type, kind):
+        device_type = outputs[0].device.type if outputs else ""
+        if bound.arguments["op"] != ReduceOp.AVG or not outputs or native_avg(group, device_type, kind):
             return torch_call(*args, **kwargs)
+        floor = backends_by_device(backend_config(group)).get(device_type) in AVERAGES_INTEGERS
         for tensor in outputs:
-            torch.empty(0, dtype=tensor.dtype).div_(2)  # torch's own error for integer and bool tensors
+            if not (floor and _integral(tensor)):
+                torch.empty(0, dtype=tensor.dtype).div_(2)  # torch's own error for integer and bool tensors
         bound.arguments["op"] = ReduceOp.SUM
         async_op = bound.arguments["async_op"]
         bound.arguments["async_op"] = True
@@ -115,7 +128,10 @@ def _average(kind: str, output: str) -> Gap:
 
         def divide() -> None:
             for tensor in outputs:
-                tensor.div_(size)
+                if _integral(tensor):
+                    tensor.div_(size, rounding_mode="floor")
+                else:
+                    tensor.div_(size)
 
         return _finished(work, async_op, divide, outputs)
 

@@ -68,9 +68,12 @@ def _acceptance(rank, world_size):
         # recv with no source: HCCL cannot; a clear error naming the backend, nothing written.
         into = torch.full((2,), 7.0)
         seen["recv any source"] = (error_of(dist.recv, into), into.tolist())
-        # integer AVG: hccl divides in floating point; refused with a message naming it.
+        # integer AVG: hccl averages integers itself (as Ascend's tests expect); bool has no average.
         counters = torch.tensor([rank + 1, 4])
-        seen["integer avg"] = (error_of(lambda: dist.all_reduce(counters, op=dist.ReduceOp.AVG)), counters.tolist())
+        dist.all_reduce(counters, op=dist.ReduceOp.AVG)
+        flags = torch.tensor([True, False])
+        seen["integer avg"] = (counters.tolist(), error_of(lambda: dist.all_reduce(flags, op=dist.ReduceOp.AVG)),
+                               flags.tolist())
         seen["stats"] = comm.stats()
         return seen
     finally:
@@ -113,11 +116,11 @@ def test_recv_without_a_source_is_refused_clearly(acceptance):
         assert untouched == [7.0, 7.0]
 
 
-def test_integer_avg_is_refused_naming_the_backend(acceptance):
+def test_integer_avg_is_staged_onto_hccl_which_averages_integers(acceptance):
     for seen in acceptance:
-        error, untouched = seen["integer avg"]
-        assert "ReduceOp.AVG of Long tensors cannot be staged" in error and ", hccl, cannot average integers" in error
-        assert untouched in ([1, 4], [2, 4])
+        averaged, bool_error, untouched = seen["integer avg"]
+        assert averaged == [1, 4]  # (1 + 2) // 2 and (4 + 4) // 2: floor, as Ascend's tests compute
+        assert "Cannot use ReduceOp.AVG with boolean inputs" in bool_error and untouched == [True, False]
 
 
 def _integer_avg_on_a_communicator_named_nccl(rank, world_size):

@@ -154,11 +154,11 @@ c10d::ReduceOp StagedCall::reduceOp(const c10d::ReduceOp& op, const Tensors& inp
       if (!at::isIntegralType(tensor.scalar_type(), /*includeBool=*/true)) continue;
       auto backend = communicator_.getBackendName();
       // NCCL averages integers itself (torch's ProcessGroupNCCL.cpp maps AVG to ncclAvg for every
-      // type but bool, which it refuses with its own message).
-      if (backend == "nccl") return op;
-      // gloo and HCCL divide in floating point (ProcessGroupGloo, and torch_npu's
-      // ProcessGroupHCCL.cpp:4808-4816, which truncates only on Ascend950), where an integer
-      // tensor fails: "result type Float can't be cast to the desired output type Long".
+      // type but bool, which it refuses with its own message); so does HCCL, as Ascend's own
+      // tests assert of int32 and uint8 (test/distributed test_allreduce.py, *_avg).
+      if (backend == "nccl" || backend == "hccl") return op;
+      // gloo divides in floating point (ProcessGroupGloo), where an integer tensor fails:
+      // "result type Float can't be cast to the desired output type Long".
       TORCH_CHECK(false, "ReduceOp.AVG of ", tensor.scalar_type(), " tensors cannot be staged onto ", target_.str(),
                   ": the group's backend there, ", backend,
                   ", cannot average integers (result type Float can't be cast to the desired output type ",
