@@ -196,8 +196,9 @@ def _draw_permutation(rng: random.Random, op: str, shape: Tuple[int, ...]) -> Op
     """None, or the memory order ("transposed", "channels_last") every tensor of the case gets.
 
     Such a case has every tensor on one device type: comm's staged copy of a transposed tensor is contiguous,
-    so where a call pairs it with a transposed tensor the backend reads in place (another rank's on the served
-    device), elements of different indices meet (test_mixed_devices.py, the regression test of issue 45).
+    and a backend reads memory order. HCCL and NCCL refuse a transposed tensor in place ("Tensors must be
+    contiguous"), so a rank staging one while another passes it in place is a rank refused while the other
+    waits: ranks that disagree on devices (docs/staging.md).
     """
     choice = rng.choice([None, None, None, "transposed", "channels_last"])
     if op not in ELEMENTWISE or choice == "transposed" and len(shape) < 2 or choice == "channels_last" and len(
@@ -309,6 +310,8 @@ def _reduce(values: List[torch.Tensor], op: str, dtype: str) -> torch.Tensor:
     stacked = torch.stack([v.long() if v.dtype == torch.bool else v for v in values])
     if op == "SUM":
         result = stacked.sum(0)
+    elif op == "AVG" and dtype in INTEGERS:  # HCCL's: floor division, as Ascend's own tests expect
+        result = torch.div(stacked.sum(0), len(values), rounding_mode="floor")
     elif op == "AVG":
         result = stacked.double().sum(0) / len(values)
     elif op == "MAX":
@@ -375,14 +378,26 @@ def _on_hccl(case: Case, variant: str) -> bool:
 
 def refusal(case: Case, variant: str) -> Optional[str]:
     """Why ``case`` must be refused when run as ``variant`` ("staged" or "control"), or None when it must run."""
-    if case.reduce_op == "AVG" and case.dtype in INTEGERS:
-        return "AVG of integers: the backends divide in floating point"
+    if case.reduce_op == "AVG" and case.dtype in INTEGERS and (
+            case.kind != "hccl" or case.dtype == "bool" or gloo_fallback(case)):
+        return "AVG of integers where gloo divides in floating point, or of bools (HCCL averages other integers)"
     if _on_hccl(case, variant):
         if gloo_fallback(case):
             return f"HCCL cannot {case.op} {case.dtype}"
         if case.op == "all_gather_coalesced":
             return "HCCL has no allgather_coalesced"
+        if case.op != "all_to_all" and not all(_dense(case.shape, layout) for ls in case.layouts for layout in ls):
+            return "HCCL takes dense tensors only (Tensors must be contiguous)"
     return None
+
+
+def _dense(shape: Tuple[int, ...], layout: str) -> bool:
+    """Whether a tensor of ``shape`` in ``layout`` is contiguous in its suggested memory format, as HCCL checks
+    (a transposed view of a dimension of size 1 is). Strided views never reach HCCL here: see STAGED."""
+    if layout not in ("transposed", "channels_last"):
+        return True
+    tensor = place(torch.zeros(shape), torch.float32, torch.device("cpu"), layout)
+    return tensor.is_contiguous() or tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last)
 
 
 def _written_by_torch(case: Case, tensor: torch.Tensor) -> bool:

@@ -119,7 +119,11 @@ class Copies {
     if (tensor.device().type() == target_.type()) return tensor;
     at::AutoDispatchBelowADInplaceOrView belowAutograd; // as torch's backends write
     auto start = nowNs();
-    auto staged = reads ? copyOnto(tensor, target_) : at::empty_like(tensor, tensor.options().device(target_));
+    // Contiguous, as copyOnto's copies are: HCCL and NCCL refuse a tensor that is not dense
+    // (a transposed view), and read and write in memory order, which for a contiguous
+    // buffer is the logical order; the write-back copies into the caller's layout.
+    auto staged = reads ? copyOnto(tensor, target_)
+                        : at::empty_like(tensor, tensor.options().device(target_), at::MemoryFormat::Contiguous);
     if (reads) {
       copied_.nanoseconds += nowNs() - start;
       copied_.transfers += 1;
