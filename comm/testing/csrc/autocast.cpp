@@ -16,6 +16,7 @@ namespace {
 
 using namespace at::autocast;  // the policies' names, as the macros expect them
 // Names torch's norm signatures (AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE) use unqualified.
+using at::DimnameList;  // torch 2.9's list names it so
 using at::IntArrayRef;
 using at::Scalar;
 using at::ScalarType;
