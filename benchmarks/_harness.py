@@ -57,13 +57,15 @@ def _rank(body: Callable[[int], Any], rank: int, world_size: int, store: str, ba
     dist.destroy_process_group()
 
 
-def rotate(sides: Sequence[Call], calls: int, setups: Optional[Sequence[Call]] = None) -> List[float]:
+def rotate(sides: Sequence[Call], calls: int, setups: Optional[Sequence[Call]] = None,
+           warmup: int = WARMUP) -> List[float]:
     """Median seconds per call of each side, timed one call each per round in rotating order.
 
     The order rotates round by round, so drift and position effects hit every side
-    alike. ``setups[i]``, where given, runs untimed before each call of side ``i``.
+    alike. ``setups[i]``, where given, runs untimed before each call of side ``i``;
+    ``warmup`` untimed rounds come first.
     """
-    for _ in range(WARMUP):
+    for _ in range(warmup):
         for side in sides:
             side()
     times: List[List[float]] = [[] for _ in sides]

@@ -13,11 +13,14 @@ against torch's, on the same group: what the explicit API adds.
 Part 2, two ranks on the simulated NPU (hccl): CPU tensors through torch's own
 functions on a patched group (comm's backend stages them) against the fix written
 by hand (copy to the NPU, torch's collective, copy back), at 1 and 4,096 elements.
+Part 2b, by size (1 KiB to 256 MiB): all_reduce, broadcast, all_gather_into_tensor and
+reduce_scatter_tensor staged against the fix by hand, CPU tensors on the hccl group and
+NPU tensors on a gloo group, fewer calls at bigger sizes (SIZES).
 Part 3, one rank on the simulated NPU: the CPU time a staged all_reduce of one
 float adds to the hand-written fix, in microseconds.
 Part 4, the simulated NPU: transfers and collectives issued for N CPU tensors.
 
-    python benchmarks/overhead.py [--calls N]
+    python benchmarks/overhead.py [--calls N] [--only-sizes]
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ from _harness import Call, rotate, run_ranks
 CALLS = 4000  # timed calls per side
 NPU = {"name": "npu", "backend": "hccl"}
 TENSOR_COUNTS = (1, 8, 64)
+# Part 2b: the caller's tensor in bytes (a reduce-scatter's output, an all-gather's input) and
+# the timed calls per side there: fewer at big sizes, where a call takes tens to hundreds of
+# milliseconds, so that both tables add about 2 minutes to make bench; a tenth as many
+# warm-up rounds (at least 2). 256 MiB for the hccl group's all_reduce only, the chunked case.
+SIZES = ((1 << 10, 400), (64 << 10, 300), (1 << 20, 80), (16 << 20, 12), (64 << 20, 5), (256 << 20, 3))
+SIZED_CALLS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
 
 
 def _row(name: str, medians: List[float]) -> Dict[str, Any]:
@@ -116,6 +125,74 @@ def staged_against_by_hand(rank: int, calls: int) -> List[Dict[str, Any]]:
     return rows
 
 
+def _sized_calls(home: torch.device, target: torch.device, numel: int) -> Dict[str, Call]:
+    """The four collectives on tensors that live on ``home``: the fix by hand (copies onto ``target``, the
+    device the group's backend serves, torch's collective there, copies back) and torch's call, which comm
+    stages (prefixed "staged ")."""
+    world = dist.get_world_size()
+    x, whole, part = torch.ones(numel, device=home), torch.zeros(numel * world, device=home), torch.zeros(
+        numel, device=home)
+    source = dist.get_rank() == 0
+
+    def all_reduce() -> None:
+        staged = x.to(target)
+        dist.all_reduce(staged)
+        x.copy_(staged)
+
+    def broadcast() -> None:
+        staged = x.to(target) if source else torch.empty(numel, device=target)
+        dist.broadcast(staged, src=0)
+        if not source:
+            x.copy_(staged)
+
+    def all_gather_into_tensor() -> None:
+        staged = torch.empty(whole.shape, device=target)
+        dist.all_gather_into_tensor(staged, x.to(target))
+        whole.copy_(staged)
+
+    def reduce_scatter_tensor() -> None:
+        staged = torch.empty(numel, device=target)
+        dist.reduce_scatter_tensor(staged, whole.to(target))
+        part.copy_(staged)
+
+    return {"all_reduce": all_reduce, "broadcast": broadcast, "all_gather_into_tensor": all_gather_into_tensor,
+            "reduce_scatter_tensor": reduce_scatter_tensor,
+            "staged all_reduce": lambda: dist.all_reduce(x),
+            "staged broadcast": lambda: dist.broadcast(x, src=0),
+            "staged all_gather_into_tensor": lambda: dist.all_gather_into_tensor(whole, x),
+            "staged reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(part, whole)}
+
+
+def _settle() -> None:
+    """Before each timed call: the ranks aligned and the device settled (nothing queued on it)."""
+    dist.barrier()
+    torch.accelerator.synchronize()
+
+
+def _size_name(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def staged_by_size(rank: int, host_tensors: bool) -> List[Dict[str, Any]]:
+    """Each collective at each of SIZES, the fix by hand against comm's staging (and the fix again).
+    ``host_tensors``: CPU tensors on the hccl group (staged onto the NPU); else NPU tensors on a gloo group
+    (staged onto the CPU)."""
+    comm.patch()
+    npu, cpu = comm.current_device(), torch.device("cpu")
+    home, target = (cpu, npu) if host_tensors else (npu, cpu)
+    rows = []
+    for nbytes, calls in SIZES:
+        if nbytes >= 256 << 20 and not host_tensors:
+            continue  # only a host tensor's all-reduce is chunked
+        sides = _sized_calls(home, target, nbytes // 4)
+        for name in SIZED_CALLS if nbytes < 256 << 20 else SIZED_CALLS[:1]:
+            timed = rotate([sides[name], sides[f"staged {name}"], sides[name]], calls, setups=[_settle] * 3,
+                           warmup=max(2, calls // 10))
+            rows.append(_row(f"{name} {_size_name(nbytes)}", timed))
+        del sides
+    return rows
+
+
 def _cpu_seconds(call: Callable[[], Any], calls: int) -> float:
     """CPU seconds per call of ``call`` (this process's, all threads), over ``calls`` calls."""
     start = time.process_time()
@@ -158,24 +235,41 @@ def staging_counts(rank: int) -> List[Dict[str, Any]]:
 
 def _print_rows(title: str, label: str, rows: List[Dict[str, Any]], reference: str, candidate: str) -> None:
     print(f"\n{title}")
-    print(f"{label:>28} {reference:>12} {candidate:>12} {'ratio':>7} {'A/A':>7}")
+    print(f"{label:>32} {reference:>12} {candidate:>12} {'ratio':>7} {'A/A':>7}")
     for row in rows:
-        print(f"{row['name']:>28} {row['torch_us']:>12.1f} {row['comm_us']:>12.1f} {row['ratio']:>7.3f}"
+        print(f"{row['name']:>32} {row['torch_us']:>12.1f} {row['comm_us']:>12.1f} {row['ratio']:>7.3f}"
               f" {row['control']:>7.3f}")
+
+
+def print_by_size() -> None:
+    """Part 2b's two tables."""
+    for host_tensors, title in ((True, "CPU tensors on the simulated NPU's hccl group"),
+                                (False, "NPU tensors on a gloo group")):
+        backend = "hccl" if host_tensors else "gloo"
+        rows = run_ranks(functools.partial(staged_by_size, host_tensors=host_tensors), backend=backend,
+                         simulate=NPU)
+        _print_rows(f"Staged calls by size: {title} (2 ranks), calls per side by size "
+                    f"({', '.join(f'{_size_name(b)}: {c}' for b, c in SIZES)}), rank 0 (a broadcast's source)",
+                    "call, caller's tensor", rows, "by hand us", "staged us")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=CALLS, help="timed calls per side")
+    parser.add_argument("--only-sizes", action="store_true", help="only the staged calls by size")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; medians of single calls in rotating order "
           "(reference, candidate, reference again); ratio = candidate / reference, A/A = again / reference")
+    if args.only_sizes:
+        print_by_size()
+        return
     _print_rows(f"Served calls, 16 floats on 2 gloo ranks, {args.calls} calls per side: torch's function on the "
                 "equipped group against an unequipped twin", "call",
                 run_ranks(functools.partial(served, calls=args.calls), simulate=NPU), "twin us", "equipped us")
     staged = run_ranks(functools.partial(staged_against_by_hand, calls=args.calls), backend="hccl", simulate=NPU)
     _print_rows(f"Staged calls: CPU tensors through torch's functions on the simulated NPU's hccl group (2 ranks), "
                 f"{args.calls} calls per side", "call, elements", staged, "by hand us", "staged us")
+    print_by_size()
     cpu = run_ranks(functools.partial(staged_cpu_time, calls=args.calls), world_size=1, backend="hccl",
                     simulate=NPU)
     print(f"\nCPU time of a staged all_reduce of 1 float on one rank (process_time, {args.calls} calls, the "
