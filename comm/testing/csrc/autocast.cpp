@@ -16,7 +16,9 @@ namespace {
 
 using namespace at::autocast;  // the policies' names, as the macros expect them
 // Names torch's norm signatures (AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE) use unqualified.
-using at::DimnameList;  // torch 2.9's list names it so
+#if __has_include(<ATen/core/Dimname.h>)
+using at::DimnameList;  // the list names it where the release still has named tensors (2.9; gone by 2.13)
+#endif
 using at::IntArrayRef;
 using at::Scalar;
 using at::ScalarType;
