@@ -51,7 +51,8 @@ def test_every_clip_case_under_comm_on_the_cpu_is_plain_torchs():
     plain = described(RUNNER)
     under_comm = described("-m", "comm", RUNNER)
     assert not differences(plain, under_comm), differences(plain, under_comm)
-    assert plain[0]["FSDP2"]["returned"].startswith("DTensor('R',)")  # what the drop-in mode once answered as Tensor
+    # A DTensor (Replicate; Partial on torch 2.9, pytorch#170862), where the drop-in mode once answered a Tensor.
+    assert plain[0]["FSDP2"]["returned"].startswith("DTensor(")
 
 
 def test_every_clip_case_under_comm_on_simulated_npus_is_plain_torchs():
