@@ -37,7 +37,7 @@ _LOCK = threading.RLock()
 _BY = "comm.patch()"
 
 
-def patch(devices: bool = True) -> None:
+def patch(*, devices: bool = True) -> None:
     """Equip every process group, now and to come, with comm's staging backend.
 
     With ``devices`` (the default), in a process without CUDA, CUDA-only calls act on
@@ -84,12 +84,12 @@ def is_patched() -> bool:
 
 
 @contextlib.contextmanager
-def patched(devices: bool = True) -> Iterator[None]:
+def patched(*, devices: bool = True) -> Iterator[None]:
     """Patch inside a ``with`` block; nests, and undoes only what it patched itself."""
     with _LOCK:
         before = _ledger.held(_BY)
         translated = translate.is_installed()
-        patch(devices)
+        patch(devices=devices)
         added = _ledger.held(_BY) - before
     try:
         yield

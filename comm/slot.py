@@ -135,7 +135,12 @@ def _follow_coalescing_blocks(native: Any) -> None:
         native.follow_block(self, device_type)
 
     def _end_coalescing(self: dist.ProcessGroup, device_type: torch.device) -> Any:
-        return native.close_block(self, device_type, torch_end(self, device_type))
+        try:
+            ended = torch_end(self, device_type)
+        except BaseException:
+            native.close_block(self, device_type, None)  # not left in a dead block: the calls after it run apart
+            raise
+        return native.close_block(self, device_type, ended)
 
     _start_coalescing.__wrapped__ = torch_start  # type: ignore[attr-defined]
     _end_coalescing.__wrapped__ = torch_end  # type: ignore[attr-defined]

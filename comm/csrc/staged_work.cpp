@@ -201,7 +201,9 @@ void StagedWork::synchronize() {
 bool StagedWork::wait(std::chrono::milliseconds timeout) {
   auto caller = callersStream();
   c10::OptionalStreamGuard guard(stream_); // the collective's wait() orders the stream the call was staged on
-  bool paired = inner_.size() == backs_.size();
+  // A chunked call's work i is chunk i's; a coalescing block's works are not its calls'
+  // one by one (calls that joined the communicator's block have none of their own).
+  bool paired = !callerReads_ && inner_.size() == backs_.size();
   for (size_t i = 0; i < inner_.size(); ++i) {
     try {
       if (caller) {
