@@ -69,6 +69,14 @@ struct SimGenerator final : c10::GeneratorImpl {
     std::memcpy(&seed_, bytes, 8);
     if (size == 16) std::memcpy(&offset, bytes + 8, 8);
     offset_ = static_cast<uint64_t>(offset);
+    // Also the CPU's generator, from the same (seed, offset): DTensor's random tracker sets
+    // the device's state inside torch.random.fork_rng, which restores the CPU's afterwards,
+    // so the CPU-offloaded shards it initialises (torchtitan with CPU offload) would draw
+    // the same numbers every time, and a rejection sampler (nn.init.trunc_normal_) would
+    // never end. Where real torch_npu's offloaded shards draw from is not established.
+    auto cpu = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(cpu.mutex());
+    cpu.set_current_seed(stream());
   }
 
   // The seed of the CPU generator the next random operator draws from.
