@@ -112,12 +112,40 @@ def test_policy_user_code_takes_its_cuda_branch_libraries_do_not(translated, lau
                        "torch.testing": truth, "__main__": told, "models": told, "<stdin>": told}
 
 
-def test_torchs_test_helpers_count_the_devices(translated, launched):
-    """torch's skip_if_lt_x_gpu, asked under the translation, runs a test that needs 2 "GPUs" on 2 ranks' devices."""
+def _run_skip_if_lt_x_gpu(helper) -> str:
+    """What torch's ``skip_if_lt_x_gpu(2)`` does with a test method: "ran", or the skip it reports."""
+    class Case:
+        def _handle_test_skip(self, message):
+            self.skipped = message
+
+    case = Case()
+    try:
+        outcome = helper(2)(lambda self: "ran")(case)
+    except SystemExit as exit_:
+        return f"exit {exit_.code}"
+    return f"skipped: {case.skipped}" if hasattr(case, "skipped") else outcome
+
+
+def test_torchs_test_helpers_count_the_devices(launched):
+    """torch's skip_if_lt_x_gpu, asked under the translation, runs a test that needs 2 "GPUs" on 2 ranks' devices.
+
+    Releases up to 2.14 ask ``torch.cuda``, which the translation answers; 2.15 asks ``torch.accelerator``,
+    which names no CUDA, so there the helper must decide as it does without comm (skip, on this CPU box).
+    """
+    import inspect
+
     from torch.testing._internal.common_distributed import skip_if_lt_x_gpu
 
     launched({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"})
-    assert skip_if_lt_x_gpu(2)(lambda: "ran")() == "ran"  # told the truth (no CUDA), it exits the test as skipped
+    plainly = _run_skip_if_lt_x_gpu(skip_if_lt_x_gpu)
+    comm.patch()
+    try:
+        translated = _run_skip_if_lt_x_gpu(skip_if_lt_x_gpu)
+    finally:
+        comm.unpatch()
+    asks_cuda = "torch.cuda.device_count" in inspect.getsource(skip_if_lt_x_gpu)
+    assert plainly != "ran"  # told the truth (no CUDA), it skips the test
+    assert translated == ("ran" if asks_cuda else plainly)
 
 
 def test_stand_ins_for_classes_are_classes(translated):
