@@ -288,6 +288,41 @@ def test_conjugate_and_negative_views_and_empty_pinned_memory():
     assert all(seen.values()), seen
 
 
+def _cached_memory():
+    """Device and pinned blocks freed and asked for again, as a training step's buffers are."""
+    seen = {}
+    torch.npu.empty_cache()
+    block = torch.empty(1000, device="npu")  # 4,000 bytes: a block of 4,096
+    address, seen["reserved"] = block.data_ptr(), torch.npu.memory_reserved()
+    del block
+    again = torch.empty(1024, device="npu")  # the same rounded size
+    seen["device block reused"] = again.data_ptr() == address
+    seen["reserved after reuse"] = torch.npu.memory_reserved()
+    other = torch.empty(4096, device="npu")  # another size: a fresh block of 16,384
+    seen["reserved with another size"] = torch.npu.memory_reserved()
+    del again, other
+    torch.npu.empty_cache()
+    seen["reserved after empty_cache"] = torch.npu.memory_reserved()
+    pinned = torch.empty(3000, dtype=torch.uint8).pin_memory()  # 3,000 bytes: a block of 4,096
+    address = pinned.data_ptr()
+    del pinned
+    again = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    seen["pinned block reused"] = (again.data_ptr() == address, again.is_pinned())
+    # A pageable copy goes through the runtime's page-locked buffer: it takes none of the caller's.
+    host = torch.arange(4096, dtype=torch.uint8)
+    seen["pageable copy"] = torch.equal(host.to("npu").cpu(), host) and again.data_ptr() == address
+    return seen
+
+
+def test_device_and_pinned_memory_are_cached_as_torch_npus_allocators_cache_them():
+    """A freed block serves the next request of its rounded size (512 bytes on the device, a power of two pinned),
+    memory_reserved counts only fresh blocks, and empty_cache gives the device's back."""
+    seen = in_one_rank(_cached_memory)
+    assert seen == {"reserved": 4096, "device block reused": True, "reserved after reuse": 4096,
+                    "reserved with another size": 4096 + 16384, "reserved after empty_cache": 0,
+                    "pinned block reused": (True, True), "pageable copy": True}
+
+
 def _what_frameworks_read(rank, world_size):
     """torch_npu's and torch.npu's attributes that DeepSpeed, Accelerate, Lightning and transformers read."""
     import os

@@ -28,9 +28,11 @@ numbers are drawn by the CPU's kernels from the device generator's seed and offs
 (the CPU's mt19937 numbers, not Philox's); collectives
 run on gloo (what gloo lacks fails with gloo's error; ``unsupported_ops`` adds the
 refusals of a real part, and :func:`fail_next` a broken link's failures);
-``memory_reserved`` counts bytes allocated on a device since its last
-``empty_cache``, with no caching and no out-of-memory; pinned memory is ordinary
-host memory that remembers it was pinned. It needs torch >= 2.9 (its
+device and pinned memory are cached as torch_npu's allocators cache them (a freed
+block serves the next request of its rounded size); ``memory_reserved`` counts the
+fresh blocks a device took since its last ``empty_cache``, which gives its cached ones
+back, with no out-of-memory; pinned memory is ordinary host memory that remembers it
+was pinned. It needs torch >= 2.9 (its
 headers are what the C++ is written against), a C++ compiler and ninja.
 """
 

@@ -202,7 +202,7 @@ def _build_device_module(name: str, core: Any) -> types.ModuleType:
         "synchronize": lambda device=None: core.synchronize(_index_of(device, core)),
         "empty_cache": lambda: core.empty_cache(core.current_device()),
         "memory_reserved": lambda device=None: core.memory_reserved(_index_of(device, core)),
-        # No caching allocator: every statistic is the bytes allocated since the last empty_cache.
+        # One count only (the fresh blocks taken since the last empty_cache): every statistic reads it.
         "memory_allocated": lambda device=None: core.memory_reserved(_index_of(device, core)),
         "max_memory_allocated": lambda device=None: core.memory_reserved(_index_of(device, core)),
         "max_memory_reserved": lambda device=None: core.memory_reserved(_index_of(device, core)),

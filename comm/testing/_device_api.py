@@ -36,8 +36,8 @@ def get_device_capability(device: Any = None) -> Optional[Tuple[int, int]]:
 def memory_stats(used: int) -> Dict[str, int]:
     """``memory_stats()`` in the flat ``"family.pool.stat"`` form of torch_npu/npu/memory.py (as CUDA's).
 
-    The simulation has no caching allocator: every byte statistic is the bytes allocated
-    since the last ``empty_cache``, all in the large pool, none freed.
+    The simulation's caching allocator counts only the fresh blocks it took since the last
+    ``empty_cache``: every byte statistic is that figure, all in the large pool, none freed.
     """
     stats = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
              "num_device_free": 0}

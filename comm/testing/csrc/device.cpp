@@ -15,6 +15,7 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -178,45 +179,109 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
 C10_REGISTER_GUARD_IMPL(PrivateUse1, Guard);
 
 // ---- allocators ---------------------------------------------------------------
+//
+// Device and pinned memory are cached, as torch_npu caches them: a freed block is kept
+// and handed to the next request of its size, and only empty_cache gives device blocks
+// back (torch_npu/csrc/core/npu/NPUCachingAllocator.cpp, "Yet another caching allocator
+// for NPU device allocations"; pinned memory: torch's ATen/core/CachingHostAllocator.h,
+// which torch_npu's CachingHostAllocator builds on). Device sizes are rounded up to 512
+// bytes (both caching allocators' smallest block), pinned sizes to a power of two
+// (CachingHostAllocator.h, allocate); a block serves requests of its own rounded size
+// only, where torch_npu's would also split a bigger one. Without the cache every large
+// buffer would be fresh pages from the kernel, faulted in at first touch, at each
+// allocation: a cost no caching allocator charges.
+//
+// A block returns to the cache as soon as its last tensor is freed. Nothing can still be
+// using it then: operators run on the host when called, and a collective in flight holds
+// its tensors (its gloo work keeps the host views, which keep the device storage), where
+// torch_npu's allocator needs the streams' events to tell.
 
-void free_host(void* data) { c10::free_cpu(data); }
+constexpr size_t kPinnedPool = kMaxDevices; // the pools: one per device, then pinned memory
+constexpr size_t kDeviceRound = 512;
+
+std::mutex blocks_mutex;
+std::array<std::unordered_map<size_t, std::vector<void*>>, kMaxDevices + 1> cached_blocks; // by rounded size
+std::unordered_map<void*, std::pair<size_t, size_t>> blocks_in_use;                          // (pool, rounded size)
+
+size_t rounded(size_t pool, size_t nbytes) {
+  if (pool != kPinnedPool) return (nbytes + kDeviceRound - 1) / kDeviceRound * kDeviceRound;
+  size_t size = 1;
+  while (size < nbytes) size <<= 1;
+  return size;
+}
+
+// A block of `pool` for `nbytes` (nullptr for none): a cached one, or else fresh host memory.
+// Whether it was fresh goes to `fresh`, and its rounded size to `size`.
+void* take_block(size_t pool, size_t nbytes, bool& fresh, size_t& size) {
+  fresh = false;
+  size = 0;
+  if (nbytes == 0) return nullptr;
+  size = rounded(pool, nbytes);
+  std::lock_guard<std::mutex> lock(blocks_mutex);
+  auto& cached = cached_blocks[pool][size];
+  void* data = nullptr;
+  if (cached.empty()) {
+    data = c10::alloc_cpu(size);
+    fresh = true;
+  } else {
+    data = cached.back();
+    cached.pop_back();
+  }
+  blocks_in_use.emplace(data, std::make_pair(pool, size));
+  return data;
+}
+
+// A DataPtr's deleter: the block goes back to its pool's cache.
+void give_block(void* data) {
+  if (data == nullptr) return;
+  std::lock_guard<std::mutex> lock(blocks_mutex);
+  auto block = blocks_in_use.find(data);
+  cached_blocks[block->second.first][block->second.second].push_back(data);
+  blocks_in_use.erase(block);
+}
+
+// Frees `pool`'s cached blocks (torch.<name>.empty_cache).
+void release_cached(size_t pool) {
+  std::lock_guard<std::mutex> lock(blocks_mutex);
+  for (auto& [size, blocks] : cached_blocks[pool]) {
+    for (void* data : blocks) c10::free_cpu(data);
+  }
+  cached_blocks[pool].clear();
+}
 
 struct DeviceAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     auto index = current_index;
-    void* data = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
-    reserved[index] += static_cast<int64_t>(nbytes);
-    return {data, data, &free_host, c10::Device(kDevice, index)};
+    bool fresh = false;
+    size_t size = 0;
+    void* data = take_block(static_cast<size_t>(index), nbytes, fresh, size);
+    if (fresh) reserved[index] += static_cast<int64_t>(size);
+    return {data, data, &give_block, c10::Device(kDevice, index)};
   }
-  c10::DeleterFnPtr raw_deleter() const override { return &free_host; }
+  c10::DeleterFnPtr raw_deleter() const override { return &give_block; }
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 };
 
 DeviceAllocator device_allocator;
 REGISTER_ALLOCATOR(kDevice, &device_allocator);
 
-// Pinned host memory is plain host memory that remembers it was pinned (is_pinned()).
+// Pinned host memory is plain host memory that remembers it was pinned (is_pinned()): every
+// block the pinned pool ever took, cached or in use, as page-locked memory stays locked.
 std::mutex pinned_mutex;
 std::unordered_set<const void*> pinned;
 
-void free_pinned(void* data) {
-  {
-    std::lock_guard<std::mutex> lock(pinned_mutex);
-    pinned.erase(data);
-  }
-  c10::free_cpu(data);
-}
-
 struct PinnedAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
-    void* data = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
-    if (data != nullptr) {  // an empty allocation is no memory: recording it would make every empty tensor pinned
+    bool fresh = false;
+    size_t size = 0;
+    void* data = take_block(kPinnedPool, nbytes, fresh, size);
+    if (fresh) {
       std::lock_guard<std::mutex> lock(pinned_mutex);
       pinned.insert(data);
     }
-    return {data, data, &free_pinned, c10::Device(c10::kCPU)};
+    return {data, data, &give_block, c10::Device(c10::kCPU)};
   }
-  c10::DeleterFnPtr raw_deleter() const override { return &free_pinned; }
+  c10::DeleterFnPtr raw_deleter() const override { return &give_block; }
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 };
 
@@ -399,9 +464,10 @@ bool in_pinned(const at::Tensor& tensor) {
 // device then transfers (CUDA's driver does, per its C++ Best Practices Guide, "Pinned
 // memory"; assumed of Ascend's runtime, not verified). Here both steps are host copies, the
 // second standing for the transfer as a pinned buffer's copy does: a pageable copy costs
-// what a copy into pinned memory and its transfer cost, as comm's staging does (issue 47).
+// what a copy into pinned memory and its transfer cost, as comm's staging does. The
+// runtime keeps its buffer; here it comes from the pinned pool's cache.
 void through_staging(const at::Tensor& self, const at::Tensor& src) {
-  auto staging = at::empty(src.sizes(), src.options().pinned_memory(false));
+  auto staging = at::empty(src.sizes(), src.options().pinned_memory(true));
   staging.copy_(src);
   self.copy_(staging);
 }
@@ -814,7 +880,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                           {"communicators", counted.communicators.load()},
                                           {"communicator_bytes", counted.communicator_bytes.load()}};
   });
-  m.def("empty_cache", [](int index) { reserved[checked(static_cast<c10::DeviceIndex>(index))] = 0; });
+  m.def("empty_cache", [](int index) {
+    auto device = checked(static_cast<c10::DeviceIndex>(index));
+    release_cached(static_cast<size_t>(device));
+    reserved[device] = 0;
+  });
   m.def("counters", []() {
     return std::map<std::string, int64_t>{{"transfers", transfers.load()}, {"collectives", collectives.load()}};
   });
