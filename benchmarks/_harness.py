@@ -14,6 +14,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 WARMUP = 50  # untimed rounds before timing
@@ -44,6 +45,11 @@ def run_ranks(body: Callable[[int], Any], world_size: int = 2, backend: str = "g
 def _rank(body: Callable[[int], Any], rank: int, world_size: int, store: str, backend: str,
           simulate: Optional[Dict[str, Any]], results: Any) -> None:
     os.environ["LOCAL_RANK"] = str(rank)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # One CPU thread per rank for torch's kernels, as torchrun sets for several ranks on a machine
+        # (and make bench does): with a pool of threads each, ranks outnumber the cores, a pool's idle
+        # threads spin on them, and a 1 MiB copy took milliseconds instead of tens of microseconds.
+        torch.set_num_threads(1)
     if simulate is not None:
         import comm
         import comm.testing

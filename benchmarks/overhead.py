@@ -46,7 +46,7 @@ TENSOR_COUNTS = (1, 8, 64)
 # the timed calls per side there: fewer at big sizes, where a call takes tens to hundreds of
 # milliseconds, so that both tables add about 2 minutes to make bench; a tenth as many
 # warm-up rounds (at least 2). 256 MiB for the hccl group's all_reduce only, the chunked case.
-SIZES = ((1 << 10, 400), (64 << 10, 300), (1 << 20, 80), (16 << 20, 12), (64 << 20, 5), (256 << 20, 3))
+SIZES = ((1 << 10, 400), (64 << 10, 300), (1 << 20, 200), (16 << 20, 40), (64 << 20, 12), (256 << 20, 6))
 SIZED_CALLS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
 
 
