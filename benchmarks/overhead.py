@@ -15,12 +15,17 @@ functions on a patched group (comm's backend stages them) against the fix writte
 by hand (copy to the NPU, torch's collective, copy back), at 1 and 4,096 elements.
 Part 2b, by size (1 KiB to 256 MiB): all_reduce, broadcast, all_gather_into_tensor and
 reduce_scatter_tensor staged against the fix by hand, CPU tensors on the hccl group and
-NPU tensors on a gloo group, fewer calls at bigger sizes (SIZES).
+NPU tensors on a gloo group, fewer calls at bigger sizes (SIZES). Beside the wall clock,
+where valgrind is installed, the instructions of the calling thread of rank 0 (callgrind;
+rank 1 runs beside it, not counted): the fix by hand, the staged call, the fix again (the
+A/A) and the staged call again, each side's calls alone between marker calls. The
+simulated device copies and issues collectives on that thread; gloo's own threads, which
+wait for the peer, are not counted. The counts are exact for what ran.
 Part 3, one rank on the simulated NPU: the CPU time a staged all_reduce of one
 float adds to the hand-written fix, in microseconds.
 Part 4, the simulated NPU: transfers and collectives issued for N CPU tensors.
 
-    python benchmarks/overhead.py [--calls N] [--only-sizes]
+    python benchmarks/overhead.py [--calls N] [--only-sizes] [--no-count]
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import subprocess
+import sys
+import tempfile
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,17 +45,20 @@ import torch.distributed as dist
 import comm
 import comm.testing
 
-from _harness import Call, rotate, run_ranks
+from _harness import Call, instructions_by_part, marker, rotate, run_ranks
 
 CALLS = 4000  # timed calls per side
 NPU = {"name": "npu", "backend": "hccl"}
 TENSOR_COUNTS = (1, 8, 64)
-# Part 2b: the caller's tensor in bytes (a reduce-scatter's output, an all-gather's input) and
-# the timed calls per side there: fewer at big sizes, where a call takes tens to hundreds of
-# milliseconds, so that both tables add about 2 minutes to make bench; a tenth as many
-# warm-up rounds (at least 2). 256 MiB for the hccl group's all_reduce only, the chunked case.
-SIZES = ((1 << 10, 400), (64 << 10, 300), (1 << 20, 200), (16 << 20, 40), (64 << 20, 12), (256 << 20, 6))
+# Part 2b: the caller's tensor in bytes (a reduce-scatter's output, an all-gather's input), the
+# timed calls per side there and the calls per side callgrind counts: fewer at big sizes, where a
+# call takes tens to hundreds of milliseconds (callgrind runs the calling thread some 50 times
+# slower; it counts a copy at about 9 bytes an instruction); a tenth as many warm-up rounds (at
+# least 2). 256 MiB for the hccl group's all_reduce only, the chunked case.
+SIZES = ((1 << 10, 400, 20), (64 << 10, 300, 20), (1 << 20, 200, 6), (16 << 20, 40, 2), (64 << 20, 12, 1),
+         (256 << 20, 6, 1))
 SIZED_CALLS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+COUNTED_SIDES = ("by hand", "staged", "by hand again", "staged again")
 
 
 def _row(name: str, medians: List[float]) -> Dict[str, Any]:
@@ -173,24 +184,88 @@ def _size_name(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
-def staged_by_size(rank: int, host_tensors: bool) -> List[Dict[str, Any]]:
-    """Each collective at each of SIZES, the fix by hand against comm's staging (and the fix again).
-    ``host_tensors``: CPU tensors on the hccl group (staged onto the NPU); else NPU tensors on a gloo group
-    (staged onto the CPU)."""
-    comm.patch()
-    npu, cpu = comm.current_device(), torch.device("cpu")
-    home, target = (cpu, npu) if host_tensors else (npu, cpu)
-    rows = []
-    for nbytes, calls in SIZES:
+def _sized_rows(host_tensors: bool) -> Iterator[Tuple[str, int, str, int, int]]:
+    """One of Part 2b's tables, row by row: (its name, bytes, the call, calls timed, calls counted)."""
+    for nbytes, timed, counted in SIZES:
         if nbytes >= 256 << 20 and not host_tensors:
             continue  # only a host tensor's all-reduce is chunked
-        sides = _sized_calls(home, target, nbytes // 4)
-        for name in SIZED_CALLS if nbytes < 256 << 20 else SIZED_CALLS[:1]:
-            timed = rotate([sides[name], sides[f"staged {name}"], sides[name]], calls, setups=[_settle] * 3,
-                           warmup=max(2, calls // 10))
-            rows.append(_row(f"{name} {_size_name(nbytes)}", timed))
-        del sides
+        for call in SIZED_CALLS if nbytes < 256 << 20 else SIZED_CALLS[:1]:
+            yield f"{call} {_size_name(nbytes)}", nbytes, call, timed, counted
+
+
+def _with_sides(host_tensors: bool) -> Iterator[Tuple[str, int, int, Call, Call]]:
+    """Each of :func:`_sized_rows` (name, calls timed, calls counted) with its two sides: the fix by hand and
+    torch's call, which comm stages. The caller's tensors live on the CPU with ``host_tensors`` (the hccl group
+    stages them onto the NPU), else on the NPU (the gloo group stages them onto the CPU); a size's are made at
+    its first row, once the last size's are freed."""
+    npu, cpu = comm.current_device(), torch.device("cpu")
+    home, target = (cpu, npu) if host_tensors else (npu, cpu)
+    sides: Dict[str, Call] = {}
+    made_for = 0
+    for row, nbytes, call, timed, counted in _sized_rows(host_tensors):
+        if made_for != nbytes:
+            sides = {}
+            sides, made_for = _sized_calls(home, target, nbytes // 4), nbytes
+        yield row, timed, counted, sides[call], sides[f"staged {call}"]
+
+
+def staged_by_size(rank: int, host_tensors: bool) -> List[Dict[str, Any]]:
+    """Each collective at each of SIZES, the fix by hand against comm's staging (and the fix again)."""
+    comm.patch()
+    rows = []
+    for row, calls, _, by_hand, staged in _with_sides(host_tensors):
+        timed = rotate([by_hand, staged, by_hand], calls, setups=[_settle] * 3, warmup=max(2, calls // 10))
+        rows.append(_row(row, timed))
     return rows
+
+
+def _count_by_size(host_tensors: bool, rank: int, store: str) -> None:
+    """A rank of the process callgrind counts (rank 0, which starts rank 1 beside it, not counted): for each row,
+    two warm-up calls a side and a marker call, then its counted calls of each of COUNTED_SIDES in turn, each
+    side followed by a marker call."""
+    peer = None
+    if rank == 0:
+        peer = subprocess.Popen([sys.executable, __file__, "--count-sizes", "host" if host_tensors else "device",
+                                 "--rank", "1", "--store", store])
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    comm.testing.simulate_accelerator(**NPU)
+    comm.bind(rank)
+    dist.init_process_group("hccl" if host_tensors else "gloo", store=dist.FileStore(store, 2), rank=rank,
+                            world_size=2)
+    comm.patch()
+    for _, _, calls, by_hand, staged in _with_sides(host_tensors):
+        for side in (by_hand, staged, by_hand, staged):
+            side()
+        torch.accelerator.synchronize()
+        marker()
+        for label in COUNTED_SIDES:
+            side = staged if label.startswith("staged") else by_hand
+            for _ in range(calls):
+                side()
+            torch.accelerator.synchronize()
+            marker()
+    dist.destroy_process_group()
+    if peer is not None and peer.wait() != 0:
+        raise RuntimeError("rank 1 of the counted run failed")
+
+
+def instructions_by_size(host_tensors: bool) -> Dict[str, Dict[str, float]]:
+    """Per row of Part 2b, the calling thread's instructions per call of each of COUNTED_SIDES on rank 0
+    (callgrind); empty where valgrind is not installed."""
+    rows = [(row, counted) for row, _, _, _, counted in _sized_rows(host_tensors)]
+    with tempfile.TemporaryDirectory() as workdir:
+        totals = instructions_by_part(os.path.abspath(__file__), "--count-sizes", "host" if host_tensors else "device",
+                                      "--rank", "0", "--store", os.path.join(workdir, "store"),
+                                      parts=(len(COUNTED_SIDES) + 1) * len(rows) - 1, main_thread=True)
+    if totals is None:
+        return {}
+    counted = {}
+    for index, (row, calls) in enumerate(rows):  # each row's warm-up, then its sides
+        start = index * (len(COUNTED_SIDES) + 1)
+        counted[row] = {label: total / calls
+                        for label, total in zip(COUNTED_SIDES, totals[start:start + len(COUNTED_SIDES)])}
+    return counted
 
 
 def _cpu_seconds(call: Callable[[], Any], calls: int) -> float:
@@ -241,27 +316,53 @@ def _print_rows(title: str, label: str, rows: List[Dict[str, Any]], reference: s
               f" {row['control']:>7.3f}")
 
 
-def print_by_size() -> None:
-    """Part 2b's two tables."""
+def _per_size(column: int) -> str:
+    """SIZES' calls per side (column 1: timed, 2: counted), as "1 KiB: 400, ..."."""
+    return ", ".join(f"{_size_name(size[0])}: {size[column]}" for size in SIZES)
+
+
+def print_by_size(count: bool) -> None:
+    """Part 2b's two tables; with ``count``, the instructions of each side beside the wall clock."""
     for host_tensors, title in ((True, "CPU tensors on the simulated NPU's hccl group"),
                                 (False, "NPU tensors on a gloo group")):
         backend = "hccl" if host_tensors else "gloo"
         rows = run_ranks(functools.partial(staged_by_size, host_tensors=host_tensors), backend=backend,
                          simulate=NPU)
-        _print_rows(f"Staged calls by size: {title} (2 ranks), calls per side by size "
-                    f"({', '.join(f'{_size_name(b)}: {c}' for b, c in SIZES)}), rank 0 (a broadcast's source)",
-                    "call, caller's tensor", rows, "by hand us", "staged us")
+        counted = instructions_by_size(host_tensors) if count else {}
+        how = (f"callgrind, calls per side {_per_size(2)}" if counted else
+               "not counted" if not count else "skipped, valgrind is not installed")
+        print(f"\nStaged calls by size: {title} (2 ranks), rank 0 (a broadcast's source). Wall clock: calls per side "
+              f"{_per_size(1)}; instructions of the calling thread: {how}")
+        label = "call, caller's tensor"
+        print(f"{label:>32} {'by hand us':>12} {'staged us':>12} {'ratio':>7} {'A/A':>7}"
+              f" {'by hand instr':>14} {'staged instr':>14} {'ratio':>7} {'A/A':>7}")
+        for row in rows:
+            line = (f"{row['name']:>32} {row['torch_us']:>12.1f} {row['comm_us']:>12.1f} {row['ratio']:>7.3f}"
+                    f" {row['control']:>7.3f}")
+            instr = counted.get(row["name"])
+            if instr:
+                ratio = (instr["staged"] + instr["staged again"]) / (instr["by hand"] + instr["by hand again"])
+                line += (f" {instr['by hand']:>14,.0f} {instr['staged']:>14,.0f} {ratio:>7.4f}"
+                         f" {instr['by hand again'] / instr['by hand']:>7.4f}")
+            print(line)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=CALLS, help="timed calls per side")
     parser.add_argument("--only-sizes", action="store_true", help="only the staged calls by size")
+    parser.add_argument("--no-count", action="store_true", help="no instruction counts (callgrind) by size")
+    parser.add_argument("--count-sizes", choices=("host", "device"), help=argparse.SUPPRESS)  # a counted rank
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--store", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.count_sizes is not None:
+        _count_by_size(args.count_sizes == "host", args.rank, args.store)
+        return
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; medians of single calls in rotating order "
           "(reference, candidate, reference again); ratio = candidate / reference, A/A = again / reference")
     if args.only_sizes:
-        print_by_size()
+        print_by_size(not args.no_count)
         return
     _print_rows(f"Served calls, 16 floats on 2 gloo ranks, {args.calls} calls per side: torch's function on the "
                 "equipped group against an unequipped twin", "call",
@@ -269,7 +370,7 @@ def main() -> None:
     staged = run_ranks(functools.partial(staged_against_by_hand, calls=args.calls), backend="hccl", simulate=NPU)
     _print_rows(f"Staged calls: CPU tensors through torch's functions on the simulated NPU's hccl group (2 ranks), "
                 f"{args.calls} calls per side", "call, elements", staged, "by hand us", "staged us")
-    print_by_size()
+    print_by_size(not args.no_count)
     cpu = run_ranks(functools.partial(staged_cpu_time, calls=args.calls), world_size=1, backend="hccl",
                     simulate=NPU)
     print(f"\nCPU time of a staged all_reduce of 1 float on one rank (process_time, {args.calls} calls, the "

@@ -49,9 +49,10 @@ __all__ = ["adopt_thread", "cached_groups", "communicators", "equip", "equipped_
 
 # A host tensor's all-reduce of at least twice this many bytes is staged in chunks of
 # this size, pipelined (COMM_STAGING_CHUNK_BYTES overrides it; 0: never). Chosen by a sweep
-# on two simulated NPUs (benchmarks/chunking.py, docs/benchmarks.md): 4 and 8 MiB chunks were
-# the quickest at 16, 64 and 256 MiB, 16 MiB ones 10 to 25 % slower; 8 MiB makes half as
-# many collectives as 4, and a chunk stays large enough for a link's full speed.
+# on two simulated NPUs (benchmarks/chunking.py, docs/benchmarks.md): 8 MiB chunks were the
+# quickest at 64 and 256 MiB (x0.88 and x0.86 of the fix by hand, where one copy, one
+# collective and one copy back took x0.98 and x0.99), and level with the rest from 16 to 32 MiB;
+# each chunk is a collective of its own, so fewer chunks cost fewer instructions.
 CHUNK_BYTES = 8 << 20
 
 # torch's private names used here, with why: comm/_torch_private.py (the one list).
