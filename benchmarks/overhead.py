@@ -55,7 +55,7 @@ TENSOR_COUNTS = (1, 8, 64)
 # call takes tens to hundreds of milliseconds (callgrind runs the calling thread some 50 times
 # slower; it counts a copy at about 9 bytes an instruction); a tenth as many warm-up rounds (at
 # least 2). 256 MiB for the hccl group's all_reduce only, the chunked case.
-SIZES = ((1 << 10, 400, 20), (64 << 10, 300, 20), (1 << 20, 200, 6), (16 << 20, 40, 2), (64 << 20, 12, 1),
+SIZES = ((1 << 10, 400, 200), (64 << 10, 300, 100), (1 << 20, 200, 6), (16 << 20, 40, 2), (64 << 20, 12, 1),
          (256 << 20, 6, 1))
 SIZED_CALLS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
 COUNTED_SIDES = ("by hand", "staged", "by hand again", "staged again")
@@ -221,8 +221,8 @@ def staged_by_size(rank: int, host_tensors: bool) -> List[Dict[str, Any]]:
 
 def _count_by_size(host_tensors: bool, rank: int, store: str) -> None:
     """A rank of the process callgrind counts (rank 0, which starts rank 1 beside it, not counted): for each row,
-    two warm-up calls a side and a marker call, then its counted calls of each of COUNTED_SIDES in turn, each
-    side followed by a marker call."""
+    two warm-up calls a side and a marker call, then its counted calls of each of COUNTED_SIDES in turn (each
+    call followed by a device synchronize), each side followed by a marker call."""
     peer = None
     if rank == 0:
         peer = subprocess.Popen([sys.executable, __file__, "--count-sizes", "host" if host_tensors else "device",
@@ -243,7 +243,9 @@ def _count_by_size(host_tensors: bool, rank: int, store: str) -> None:
             side = staged if label.startswith("staged") else by_hand
             for _ in range(calls):
                 side()
-            torch.accelerator.synchronize()
+                # Each call from a settled device, as the timed ones: a call that returns before its collective
+                # ends (a broadcast's source) would otherwise leave the next one a longer queue to look through.
+                torch.accelerator.synchronize()
             marker()
     dist.destroy_process_group()
     if peer is not None and peer.wait() != 0:
