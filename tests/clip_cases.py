@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import warnings
 from typing import Any, Callable, Dict, List
 
@@ -201,3 +202,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The results are written: skip Python's shutdown. torch's collectives can let go of Python objects they took
+    # from the caller (a saved-tensor hook, a mode) on a thread of their own after the call ends; if that falls in
+    # the interpreter's shutdown, the process aborts ("terminate called without an active exception"). Plain
+    # torch on the CPU's gloo did in 15 of 30 runs of a script that all-reduces inside saved_tensors_hooks.
+    sys.stdout.flush()
+    os._exit(0)

@@ -199,9 +199,18 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, Guard);
 constexpr size_t kPinnedPool = kMaxDevices; // the pools: one per device, then pinned memory
 constexpr size_t kDeviceRound = 512;
 
-std::mutex blocks_mutex;
-std::array<std::unordered_map<size_t, std::vector<void*>>, kMaxDevices + 1> cached_blocks; // by rounded size
-std::unordered_map<void*, std::pair<size_t, size_t>> blocks_in_use;                          // (pool, rounded size)
+struct Blocks {
+  std::mutex mutex;
+  std::array<std::unordered_map<size_t, std::vector<void*>>, kMaxDevices + 1> cached; // by rounded size
+  std::unordered_map<void*, std::pair<size_t, size_t>> in_use;                          // (pool, rounded size)
+};
+
+// Never destroyed: tensors are still freed while the process exits, after static objects
+// are (torch keeps its own allocators' state alive for the same reason).
+Blocks& blocks() {
+  static auto* state = new Blocks();
+  return *state;
+}
 
 size_t rounded(size_t pool, size_t nbytes) {
   if (pool != kPinnedPool) return (nbytes + kDeviceRound - 1) / kDeviceRound * kDeviceRound;
@@ -217,8 +226,9 @@ void* take_block(size_t pool, size_t nbytes, bool& fresh, size_t& size) {
   size = 0;
   if (nbytes == 0) return nullptr;
   size = rounded(pool, nbytes);
-  std::lock_guard<std::mutex> lock(blocks_mutex);
-  auto& cached = cached_blocks[pool][size];
+  auto& all = blocks();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  auto& cached = all.cached[pool][size];
   void* data = nullptr;
   if (cached.empty()) {
     data = c10::alloc_cpu(size);
@@ -227,26 +237,28 @@ void* take_block(size_t pool, size_t nbytes, bool& fresh, size_t& size) {
     data = cached.back();
     cached.pop_back();
   }
-  blocks_in_use.emplace(data, std::make_pair(pool, size));
+  all.in_use.emplace(data, std::make_pair(pool, size));
   return data;
 }
 
 // A DataPtr's deleter: the block goes back to its pool's cache.
 void give_block(void* data) {
   if (data == nullptr) return;
-  std::lock_guard<std::mutex> lock(blocks_mutex);
-  auto block = blocks_in_use.find(data);
-  cached_blocks[block->second.first][block->second.second].push_back(data);
-  blocks_in_use.erase(block);
+  auto& all = blocks();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  auto block = all.in_use.find(data);
+  all.cached[block->second.first][block->second.second].push_back(data);
+  all.in_use.erase(block);
 }
 
 // Frees `pool`'s cached blocks (torch.<name>.empty_cache).
 void release_cached(size_t pool) {
-  std::lock_guard<std::mutex> lock(blocks_mutex);
-  for (auto& [size, blocks] : cached_blocks[pool]) {
-    for (void* data : blocks) c10::free_cpu(data);
+  auto& all = blocks();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  for (auto& [size, cached] : all.cached[pool]) {
+    for (void* data : cached) c10::free_cpu(data);
   }
-  cached_blocks[pool].clear();
+  all.cached[pool].clear();
 }
 
 struct DeviceAllocator final : c10::Allocator {
@@ -267,8 +279,15 @@ REGISTER_ALLOCATOR(kDevice, &device_allocator);
 
 // Pinned host memory is plain host memory that remembers it was pinned (is_pinned()): every
 // block the pinned pool ever took, cached or in use, as page-locked memory stays locked.
-std::mutex pinned_mutex;
-std::unordered_set<const void*> pinned;
+struct Pinned {
+  std::mutex mutex;
+  std::unordered_set<const void*> blocks;
+};
+
+Pinned& pinned() { // never destroyed, as blocks()
+  static auto* state = new Pinned();
+  return *state;
+}
 
 struct PinnedAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
@@ -276,8 +295,8 @@ struct PinnedAllocator final : c10::Allocator {
     size_t size = 0;
     void* data = take_block(kPinnedPool, nbytes, fresh, size);
     if (fresh) {
-      std::lock_guard<std::mutex> lock(pinned_mutex);
-      pinned.insert(data);
+      std::lock_guard<std::mutex> lock(pinned().mutex);
+      pinned().blocks.insert(data);
     }
     return {data, data, &give_block, c10::Device(c10::kCPU)};
   }
@@ -304,8 +323,8 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   }
   c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex index) const override { return exchangeDevice(index); }
   bool isPinnedPtr(const void* data) const override {
-    std::lock_guard<std::mutex> lock(pinned_mutex);
-    return pinned.count(data) > 0;
+    std::lock_guard<std::mutex> lock(pinned().mutex);
+    return pinned().blocks.count(data) > 0;
   }
   c10::Allocator* getPinnedMemoryAllocator() const override { return &pinned_allocator; }
   // torch.<name>.default_generators and torch.Generator("npu") (random.cpp).
@@ -455,8 +474,8 @@ at::Tensor host_or_self(const at::Tensor& tensor) { return on_device(tensor) ? h
 
 // Whether a host tensor lies in pinned memory.
 bool in_pinned(const at::Tensor& tensor) {
-  std::lock_guard<std::mutex> lock(pinned_mutex);
-  return pinned.count(tensor.storage().data()) > 0;
+  std::lock_guard<std::mutex> lock(pinned().mutex);
+  return pinned().blocks.count(tensor.storage().data()) > 0;
 }
 
 // A copy between pageable host memory and the device, charged as the runtime does it: the
