@@ -157,34 +157,43 @@ class Stream {
 
   static void run(std::shared_ptr<State> state) {
     for (;;) {
-      Queued next;
-      {
-        std::unique_lock<std::mutex> lock(state->mutex);
-        state->ready.wait(lock, [&] { return state->stopping || !state->queue.empty(); });
-        if (state->queue.empty()) return;
-        next = std::move(state->queue.front());
-        state->queue.pop_front();
-      }
-      at::ThreadLocalStateGuard issuer(next.issuer);
+      CompletionPtr done;
       std::exception_ptr error;
-      try {
-        next.host->wait();
-      } catch (...) {
-        error = std::current_exception();
-      }
-      if (!error && next.fault != kNone) {
-        error = injected_on_wait();
-        if (next.fault == kOnDevice) leave_garbage(next.outputs);
-      }
-      if (!error && next.after) {
+      bool watched = false;
+      {
+        Queued next;
+        {
+          std::unique_lock<std::mutex> lock(state->mutex);
+          state->ready.wait(lock, [&] { return state->stopping || !state->queue.empty(); });
+          if (state->queue.empty()) return;
+          next = std::move(state->queue.front());
+          state->queue.pop_front();
+        }
+        done = next.done;
+        at::ThreadLocalStateGuard issuer(next.issuer);
         try {
-          next.after();
+          next.host->wait();
         } catch (...) {
           error = std::current_exception();
         }
+        if (!error && next.fault != kNone) {
+          error = injected_on_wait();
+          if (next.fault == kOnDevice) leave_garbage(next.outputs);
+        }
+        if (!error && next.after) {
+          try {
+            next.after();
+          } catch (...) {
+            error = std::current_exception();
+          }
+        }
+        watched = next.fault != kReportedByWait;
       }
-      next.done->finish(error);
-      bool watched = next.fault != kReportedByWait;
+      // The host's collective is let go before the host learns this one has ended: gloo's
+      // barrier waits for every earlier work still alive and raises a failed one's error,
+      // so a failed collective kept here a moment longer would fail the caller's next
+      // barrier, or not, by timing.
+      done->finish(error);
       if (error && watched && !state->model.blocking_wait && state->model.async_error_handling != 0) {
         tear_down(error, state->model.rank);
       }
