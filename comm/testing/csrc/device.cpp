@@ -277,16 +277,13 @@ struct DeviceAllocator final : c10::Allocator {
 DeviceAllocator device_allocator;
 REGISTER_ALLOCATOR(kDevice, &device_allocator);
 
-// Pinned host memory is plain host memory that remembers it was pinned (is_pinned()): every
-// block the pinned pool ever took, cached or in use, as page-locked memory stays locked.
-struct Pinned {
-  std::mutex mutex;
-  std::unordered_set<const void*> blocks;
-};
-
-Pinned& pinned() { // never destroyed, as blocks()
-  static auto* state = new Pinned();
-  return *state;
+// Pinned host memory is plain host memory that remembers it was pinned (is_pinned()): a
+// block the pinned pool handed out and has not taken back.
+bool pinned_block(const void* data) {
+  auto& all = blocks();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  auto block = all.in_use.find(const_cast<void*>(data));
+  return block != all.in_use.end() && block->second.first == kPinnedPool;
 }
 
 struct PinnedAllocator final : c10::Allocator {
@@ -294,10 +291,6 @@ struct PinnedAllocator final : c10::Allocator {
     bool fresh = false;
     size_t size = 0;
     void* data = take_block(kPinnedPool, nbytes, fresh, size);
-    if (fresh) {
-      std::lock_guard<std::mutex> lock(pinned().mutex);
-      pinned().blocks.insert(data);
-    }
     return {data, data, &give_block, c10::Device(c10::kCPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &give_block; }
@@ -322,10 +315,7 @@ struct Hooks final : at::PrivateUse1HooksInterface {
     return previous;
   }
   c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex index) const override { return exchangeDevice(index); }
-  bool isPinnedPtr(const void* data) const override {
-    std::lock_guard<std::mutex> lock(pinned().mutex);
-    return pinned().blocks.count(data) > 0;
-  }
+  bool isPinnedPtr(const void* data) const override { return pinned_block(data); }
   c10::Allocator* getPinnedMemoryAllocator() const override { return &pinned_allocator; }
   // torch.<name>.default_generators and torch.Generator("npu") (random.cpp).
   const at::Generator& getDefaultGenerator(c10::DeviceIndex index) const override {
@@ -473,10 +463,7 @@ at::Tensor empty_strided(
 at::Tensor host_or_self(const at::Tensor& tensor) { return on_device(tensor) ? host_view(tensor) : tensor; }
 
 // Whether a host tensor lies in pinned memory.
-bool in_pinned(const at::Tensor& tensor) {
-  std::lock_guard<std::mutex> lock(pinned().mutex);
-  return pinned().blocks.count(tensor.storage().data()) > 0;
-}
+bool in_pinned(const at::Tensor& tensor) { return pinned_block(tensor.storage().data()); }
 
 // A copy between pageable host memory and the device, charged as the runtime does it: the
 // host first copies the pageable side into a page-locked buffer of the runtime's, which the
