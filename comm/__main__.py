@@ -59,11 +59,21 @@ def main(argv: Optional[List[str]] = None) -> None:
             return
     if not args:
         sys.exit(f"python -m comm: expected a script or -m module to run\n\n{USAGE}")
-    if args[0] == "-m" and len(args) < 2:
-        sys.exit("python -m comm: -m needs a module name")
-    if args[0] != "-m" and not os.path.isfile(args[0]):
-        sys.exit(f"python -m comm: can't open file {args[0]!r}: no such file")
+    check_target("python -m comm", args)
     comm.patch(devices=devices)
+    run_target(args)
+
+
+def check_target(program: str, args: List[str]) -> None:
+    """Exit, saying why, unless ``args`` names a script that exists or ``-m`` and a module."""
+    if args[0] == "-m" and len(args) < 2:
+        sys.exit(f"{program}: -m needs a module name")
+    if args[0] != "-m" and not os.path.isfile(args[0]):
+        sys.exit(f"{program}: can't open file {args[0]!r}: no such file")
+
+
+def run_target(args: List[str]) -> None:
+    """Run the script ``args[0]`` (or the module after ``-m``) as ``__main__``, with the rest as its arguments."""
     if args[0] == "-m":
         module, rest = args[1], args[2:]
         sys.argv = [module, *rest]
@@ -74,7 +84,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.argv = [script, *rest]
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         runpy.run_path(script, run_name="__main__")
-
 
 if __name__ == "__main__":
     main()

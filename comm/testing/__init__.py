@@ -149,11 +149,17 @@ def apply_torch_npu_patches() -> None:
 
 
 def simulate_from_environment() -> None:
-    """The simulated accelerator ``COMM_SIMULATE`` names: ``npu`` or ``npu:hccl`` (device type, then backend).
+    """The simulated accelerator ``COMM_SIMULATE`` names: ``npu`` or ``npu:hccl`` (device type, then backend),
+    or ``cann``: the installed torch_npu on comm's fake CANN (:mod:`comm.testing.cann`).
 
     ``python -m comm --simulate npu`` sets it, so the script's spawned children simulate too.
     """
     value = os.environ.get("COMM_SIMULATE", "").strip()
+    if value == "cann":  # the real torch_npu on comm's fake CANN, loaded before torch (comm._cann_boot)
+        from comm.testing.cann import require_torch_npu
+
+        require_torch_npu()
+        return
     name, _, backend = value.partition(":")
     if not name.isidentifier() or (backend and not backend.isidentifier()):
         raise ValueError(f"COMM_SIMULATE={value!r} is not a device type with an optional backend; expected "
