@@ -25,7 +25,7 @@ export OMP_NUM_THREADS ?= 1
 export PYTHONDONTWRITEBYTECODE :=
 TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc-per-node 2
 
-.PHONY: test test-integration test-all test-clients test-peers test-launchers demo bench lint gpu-check wheel test-wheel clean
+.PHONY: test test-integration test-all test-clients test-peers test-torch-npu test-launchers demo bench lint gpu-check wheel test-wheel clean
 
 # PIP_CONSTRAINT replaces any constraint file pip's own configuration names (a machine may cap
 # torch's release there) with this venv's, which pins its torch.
@@ -100,6 +100,20 @@ test-peers: $(PEERS_VENV)/.installed
 	$(PEERS_VENV)/bin/python -m comm.build --simulated
 	$(PEERS_VENV)/bin/python -m pytest -n 2 -q -rfEs tests/peers
 
+# The real torch_npu (issue 50): the torch-npu wheel that pairs with the pinned torch, unmodified, on comm's fake
+# CANN (comm/testing/cann), in a venv of its own; plainly and under comm (tests/torch_npu). This pytest runs with
+# torch_npu's autoload off: torch would import it, which needs CANN, at its own import; the ranks are on the fake.
+TORCH_NPU_VENV := .venv-torch-npu
+
+$(TORCH_NPU_VENV)/.installed: setup.cfg pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(TORCH_NPU_VENV)
+	$(TORCH_NPU_VENV)/bin/python -m pip install --quiet --no-compile --constraint constraints.txt --editable '.[test]' \
+		"torch-npu==$(PINNED_TORCH)"
+	touch $@
+
+test-torch-npu: $(TORCH_NPU_VENV)/.installed
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(TORCH_NPU_VENV)/bin/python -m pytest -p no:xdist -q -rfEs tests/torch_npu
+
 # Real launchers (issue 36): mpirun (OpenMPI), mpiexec (MPICH), srun and sbatch on a two-node Slurm cluster that
 # tests/launchers starts in a folder of its own, torchrun agents; installs the packages once as root (else skips,
 # saying why); prints each launch's time.
@@ -158,4 +172,4 @@ test-wheel: wheel
 		$(PY) -m pytest -p no:xdist -p no:cacheprovider -q tests/prebuilt
 
 clean:
-	rm -rf .venv .venv-torch* $(CLIENTS_VENV) $(OWN_VENV_CLIENTS:%=.venv-%) *.egg-info .pytest_cache build dist
+	rm -rf .venv .venv-torch* $(TORCH_NPU_VENV) $(CLIENTS_VENV) $(OWN_VENV_CLIENTS:%=.venv-%) *.egg-info .pytest_cache build dist

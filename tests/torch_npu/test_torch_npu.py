@@ -1,0 +1,78 @@
+"""The real torch_npu wheel on comm's fake CANN (comm/testing/cann): torch_npu's own device runtime,
+caching allocator, ProcessGroupHCCL and watchdog, plainly and under comm.
+
+Run by ``make test-torch-npu`` in a venv of its own (.venv-torch-npu: the pinned torch and the
+torch-npu wheel that pairs with it), not by ``make test``. Plainly (``python -m comm.testing.cann``)
+a CPU tensor on torch_npu's hccl group fails as the first seed reports on hardware; under
+``-m comm --simulate cann`` it is staged and right. This pytest process itself runs with
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (torch would import torch_npu, which needs CANN, at
+``import torch``); the processes it starts are on the fake.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SEED_ERROR = "No backend type associated with device type cpu"
+CALLS = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "send_recv")
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None,
+                                reason="needs torch_npu: make test-torch-npu installs it in .venv-torch-npu")
+
+
+def torchrun(script, *args, comm):
+    """``script`` on two ranks over the fake CANN: plainly, or under ``-m comm --simulate cann``."""
+    under = ["-m", "comm", "--simulate", "cann"] if comm else []
+    command = [sys.executable, "-m", "comm.testing.cann", "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", *under, str(script), *args]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "HCCL_EXEC_TIMEOUT": "60"}
+    env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)  # the tier's pytest turns it off; torch_npu's users do not
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+def outcomes(stdout):
+    """{(rank, device, call): what happened} from collectives.py's lines."""
+    found = {}
+    for rank, device, call, outcome in re.findall(r"^rank (\d) (\w+) (\w+) (.*)$", stdout, re.MULTILINE):
+        found[(int(rank), device, call)] = outcome
+    return found
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return torchrun(HERE / "collectives.py", comm=False)
+
+
+@pytest.fixture(scope="module")
+def under_comm():
+    return torchrun(HERE / "collectives.py", comm=True)
+
+
+def test_npu_collectives_are_right_on_torch_npus_own_hccl(plain):
+    found = outcomes(plain.stdout)
+    for rank in (0, 1):
+        for call in CALLS:
+            assert found.get((rank, "npu", call)) == "ok", (call, plain.stdout, plain.stderr[-3000:])
+
+
+def test_cpu_collectives_fail_plainly_as_the_seed_reports(plain):
+    found = outcomes(plain.stdout)
+    for rank in (0, 1):
+        for call in ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"):
+            assert found.get((rank, "cpu", call), "").startswith("failed " + SEED_ERROR), (call, plain.stdout)
+
+
+def test_every_collective_is_right_under_comm(under_comm):
+    found = outcomes(under_comm.stdout)
+    assert under_comm.returncode == 0, under_comm.stderr[-3000:]
+    for rank in (0, 1):
+        for device in ("npu", "cpu"):
+            for call in CALLS:
+                assert found.get((rank, device, call)) == "ok", (device, call, under_comm.stdout,
+                                                                 under_comm.stderr[-3000:])
