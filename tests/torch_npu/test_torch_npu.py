@@ -1,6 +1,9 @@
 """The real torch_npu wheel on comm's fake CANN (comm/testing/cann): torch_npu's own device runtime,
 caching allocator, ProcessGroupHCCL and watchdog, plainly and under comm.
 
+The second seed too: FSDP2 with CPU offload fails plainly at torch's clip and, under comm, makes
+three steps that match one CPU process.
+
 Run by ``make test-torch-npu`` in a venv of its own (.venv-torch-npu: the pinned torch and the
 torch-npu wheel that pairs with it), not by ``make test``. Plainly (``python -m comm.testing.cann``)
 a CPU tensor on torch_npu's hccl group fails as the first seed reports on hardware; under
@@ -76,3 +79,27 @@ def test_every_collective_is_right_under_comm(under_comm):
             for call in CALLS:
                 assert found.get((rank, device, call)) == "ok", (device, call, under_comm.stdout,
                                                                  under_comm.stderr[-3000:])
+
+
+STEP = re.compile(r"^step (\d+) loss (\S+) grad_norm (\S+)$", re.MULTILINE)
+
+
+def steps(stdout):
+    """Each step's loss and gradient norm, in order, as one flat list."""
+    return [float(value) for _, loss, norm in STEP.findall(stdout) for value in (loss, norm)]
+
+
+def test_fsdp2_offload_clip_fails_plainly_at_torchs_clip_as_the_seed_reports():
+    run = torchrun(HERE / "fsdp2_offload_clip.py", comm=False)
+    assert run.returncode != 0
+    assert "clip_grad_norm_" in run.stderr and "RuntimeError: " + SEED_ERROR in run.stderr, run.stderr[-3000:]
+
+
+def test_fsdp2_offload_clip_trains_under_comm_as_one_cpu_process_does():
+    run = torchrun(HERE / "fsdp2_offload_clip.py", comm=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    reference = subprocess.run([sys.executable, str(HERE / "fsdp2_offload_clip.py"), "--reference"],
+                               capture_output=True, text=True, timeout=300, check=True)
+    got, want = steps(run.stdout), steps(reference.stdout)
+    assert len(got) == len(want) == 6, (run.stdout, reference.stdout)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
