@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,11 @@ def test_fsdp2_offload_clip_trains_under_comm_as_one_cpu_process_does():
     got, want = steps(run.stdout), steps(reference.stdout)
     assert len(got) == len(want) == 6, (run.stdout, reference.stdout)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_a_dead_peer_ends_the_survivor_through_torch_npus_watchdog_within_the_timeout():
+    started = time.monotonic()
+    run = torchrun(HERE / "dead_peer.py", comm=False)
+    assert run.returncode != 0 and "still running" not in run.stdout, run.stdout
+    assert "HcclGetCommAsyncError" in run.stderr and "has exited" in run.stderr, run.stderr[-3000:]
+    assert time.monotonic() - started < 60

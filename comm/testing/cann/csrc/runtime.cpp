@@ -16,6 +16,9 @@ namespace fake_cann {
 namespace {
 
 thread_local std::string last_error;
+// The latest error of any thread: HCCL's are made on a stream's worker and read by torch_npu's watchdog.
+std::mutex any_error_mutex;
+std::string any_error;
 thread_local int thread_device = -1;
 
 int64_t env_int(const char* name, int64_t fallback) {
@@ -94,7 +97,11 @@ aclError allocate(void** pointer, size_t size) {
 
 }  // namespace
 
-void set_error(const std::string& message) { last_error = message; }
+void set_error(const std::string& message) {
+  last_error = message;
+  std::lock_guard<std::mutex> lock(any_error_mutex);
+  any_error = message;
+}
 
 int device_count() {
   static int count = static_cast<int>(env_int("COMM_FAKE_CANN_DEVICES", 8));
@@ -183,7 +190,12 @@ extern "C" {
 aclError aclInit(const char*) { return kSuccess; }
 aclError aclFinalize() { return kSuccess; }
 
-const char* aclGetRecentErrMsg() { return last_error.empty() ? nullptr : last_error.c_str(); }
+const char* aclGetRecentErrMsg() {
+  if (!last_error.empty()) return last_error.c_str();
+  std::lock_guard<std::mutex> lock(any_error_mutex);
+  last_error = any_error;  // a copy this thread owns
+  return last_error.empty() ? nullptr : last_error.c_str();
+}
 aclError aclrtPeekAtLastError(int) { return kSuccess; }
 aclError aclrtGetLastError(int) { return kSuccess; }
 
