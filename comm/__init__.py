@@ -13,10 +13,8 @@ calls on this process's accelerator (:mod:`comm.translate`).
 import logging as _logging
 import os as _os
 
-from comm._cann_boot import boot as _boot_fake_cann
-
-_boot_fake_cann()  # before torch is imported, where the fake CANN was asked for (comm._cann_boot)
-
+# Before anything imports torch: loads the fake CANN where it was asked for (comm._cann_boot).
+from comm import _cann_boot  # noqa: F401  (imported for that effect)
 from comm._env import env_switch as _env_switch
 from comm._jupyter import JupyterCommWarning, warn_if_beside_jupyter
 from comm.backend import default_backend, device_types, init_process_group

@@ -3,7 +3,7 @@
 torch imports torch_npu as it is imported itself (its device-backend autoload), and torch_npu
 needs CANN's libraries at that moment. So the fake (:mod:`comm.testing.cann`) must be in the
 process before ``import torch``, which ``import comm`` does: this module, imported first by
-``comm/__init__.py``, imports no torch. It acts only when asked: ``COMM_SIMULATE=cann`` in the
+``comm/__init__.py``, imports no torch and acts when imported. It acts only when asked: ``COMM_SIMULATE=cann`` in the
 environment, or a command line of ``python -m comm.testing.cann`` or ``python -m comm
 --simulate cann``. It then builds the fake where this machine has no build of it (in a child
 process, where torch_npu is not autoloaded), loads it under CANN's library names, and puts its
@@ -64,3 +64,6 @@ def boot() -> None:
     # Loaded by name, each library answers for that name when torch_npu links or opens it.
     for library in sorted(folder.glob("lib*.so")):
         ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+
+
+boot()

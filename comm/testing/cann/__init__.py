@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib
 import os
 import platform
 import re
@@ -27,7 +28,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional, Set
+from typing import List, Optional, Set
 
 __all__ = ["CANN_LIBRARIES", "build", "require_torch_npu", "torch_npu_problem"]
 
@@ -156,9 +157,9 @@ def build() -> Path:
         _compile(folder / "stubs.c", folder / "stubs.o", [])
         library = folder / "libfakecann.so"
         compiler = os.environ.get("CXX", "c++")
-        subprocess.run([compiler, "-shared", "-o", str(library), "-Wl,-soname,libfakecann.so", *map(str, objects), str(folder / "stubs.o"),
-                        f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}", "-lrt", "-pthread"],
-                       check=True)
+        subprocess.run([compiler, "-shared", "-o", str(library), "-Wl,-soname,libfakecann.so", *map(str, objects),
+                        str(folder / "stubs.o"), f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}",
+                        "-lrt", "-pthread"], check=True)
         _name_libraries(folder, library)
         done.touch()
     return folder
@@ -180,4 +181,4 @@ def require_torch_npu() -> None:
     problem = torch_npu_problem()
     if problem is not None:
         raise SystemExit(f"comm: the fake CANN runs the installed torch_npu: {problem}")
-    import torch_npu  # noqa: F401  (torch autoloads it; imported here where autoload is off)
+    importlib.import_module("torch_npu")  # torch autoloads it; imported here too where autoload is off
