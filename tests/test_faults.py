@@ -8,12 +8,14 @@ import time
 import tracemalloc
 import weakref
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import comm
 import comm.slot
 
+from faults import late_peer
 from multiproc import NPU, in_one_rank, run_ranks
 
 PG_TIMEOUT = 5.0
@@ -56,6 +58,48 @@ def test_a_killed_rank_fails_the_survivor_through_the_staging_path():
     survivor, _ = run_ranks(_killed_mid_loop, 2, backend="hccl", simulate=NPU, args=(True,),
                             env={"TORCH_HCCL_BLOCKING_WAIT": "1"}, pg_timeout=PG_TIMEOUT, expect_dead=[1], timeout=60)
     _check_survivor(survivor, staged=True)
+
+
+# A peer that joins the group, then comes to a call long after the group's timeout: rank 0 must end within
+# the timeout and a few seconds (process start and the watchdog's poll aside), staged as on the served road.
+LATE_TIMEOUT, LATE, SLACK = 5.0, 30.0, 4.0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("backend,scenario", [("hccl", "staged_from_thread"), ("hccl", "float64"),
+                                              ("gloo", "staged_from_thread")])
+def test_a_late_peer_ends_a_staged_call_within_the_groups_timeout(backend, scenario):
+    """Staged from another thread (comm's communicator of the group's kind) or as float64 on hccl (comm's gloo
+    communicator), rank 0 ends within the group's timeout as the served call does (the oracle: on hccl the
+    watchdog tears the process down, on gloo the call raises). Before, comm's communicators took torch's
+    default of 30 minutes."""
+    served = late_peer(backend, "served", LATE_TIMEOUT, LATE)
+    staged = late_peer(backend, scenario, LATE_TIMEOUT, LATE)
+    assert served["seconds"] < LATE_TIMEOUT + SLACK, served
+    assert staged["seconds"] < LATE_TIMEOUT + SLACK, staged
+    assert staged["how"].startswith("raised") or staged["exit"] != 0, staged  # it ended: no result came back
+
+
+def _staging_timeout_of_a_group_made_with(seconds):
+    """The timeout comm's backend on a new hccl group holds (and hands each communicator it makes)."""
+    import datetime
+
+    from comm._native import STAGING
+
+    group = dist.new_group([0], backend="hccl", timeout=datetime.timedelta(seconds=seconds))
+    try:
+        comm.equip(group)
+        backend = group._get_backend(torch.device("cpu"))
+        held = STAGING.load().backend_timeout(backend)
+        group.set_timeout(datetime.timedelta(seconds=seconds + 1))  # reaches comm's backend too, as c10d's own
+        return held.total_seconds(), STAGING.load().backend_timeout(backend).total_seconds()
+    finally:
+        dist.destroy_process_group(group)
+
+
+def test_comms_backend_takes_the_groups_timeout():
+    """The simulated hccl keeps options as ProcessGroupHCCL does; comm reads the group's timeout there."""
+    assert in_one_rank(_staging_timeout_of_a_group_made_with, 7) == (7.0, 8.0)
 
 
 THREADS, CALLS = 4, 500

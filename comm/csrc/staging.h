@@ -43,8 +43,9 @@ using Tensors = std::vector<at::Tensor>;
 using TensorLists = std::vector<std::vector<at::Tensor>>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
-// Makes the communicator staged calls run on; called once, at the first staged call.
-using CommunicatorFactory = std::function<BackendPtr()>;
+// Makes the communicator staged calls run on, with the group's timeout at that moment;
+// called once, at the first staged call that needs it.
+using CommunicatorFactory = std::function<BackendPtr(std::chrono::milliseconds)>;
 
 // ---- tallies.cpp: what staging cost, per collective (torch.distributed's name for it),
 // for comm.stats(): staged calls, host-device copies, their bytes and the time spent copying.
@@ -240,11 +241,13 @@ class StagingBackend final : public c10d::Backend {
   // communicator over the group's store, for CPU reductions of dtypes the group's
   // backend cannot reduce (made at the first one).
   // `chunkBytes`: a host tensor's all-reduce of at least twice this many bytes runs
-  // pipelined, in chunks of this size (0: never).
+  // pipelined, in chunks of this size (0: never). `timeout`: the group's; every
+  // communicator comm makes takes it (and a later setTimeout's) when it is made.
   StagingBackend(int rank, int size, at::Device target, BackendPtr own, CommunicatorFactory factory,
-                 CommunicatorFactory cpuFactory = nullptr, int64_t chunkBytes = 0);
+                 CommunicatorFactory cpuFactory, int64_t chunkBytes, std::chrono::milliseconds timeout);
   // A backend split from another: every thread runs on `communicator`, comm's own.
-  StagingBackend(int rank, int size, at::Device target, BackendPtr communicator, int64_t chunkBytes);
+  StagingBackend(int rank, int size, at::Device target, BackendPtr communicator, int64_t chunkBytes,
+                 std::chrono::milliseconds timeout);
 
   const std::string getBackendName() const override { return "comm"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
