@@ -228,49 +228,66 @@ def test_ten_thousand_calls_do_not_grow_memory():
     assert not seen["work_holds_group"] and seen["work_result"] == [1.0, 1.0]
 
 
-_STAGED_FAILURE = r"""
-import time, torch, torch.distributed as dist
+_FAILED_CALL = r"""
+import sys, time, torch, torch.distributed as dist
 import comm, comm.testing
+call, device = sys.argv[1], sys.argv[2]  # device "npu:0": served, the oracle; "cpu": comm stages it
 comm.testing.simulate_accelerator("npu", "hccl", device_count=1)
 dist.init_process_group("hccl", rank=0, world_size=1, store=dist.HashStore(), device_id=torch.device("npu:0"))
-tensor = torch.ones(2)  # a CPU tensor on the hccl group: comm stages it
-comm.all_reduce(tensor)
+comm.equip()
+tensor = torch.ones(2, device=device)
+output = [torch.full((2,), 5.0, device=device)]  # what an all-gather writes
+run = {"all_reduce": lambda: dist.all_reduce(tensor), "all_gather": lambda: dist.all_gather(output, tensor)}[call]
+run()
+output[0].fill_(5.0)  # as it was before the failed call
 comm.testing.fail_next("fail_async")
 try:
-    comm.all_reduce(tensor)
-    print("returned", tensor.tolist(), flush=True)
+    run()
+    print("returned", tensor.tolist(), output[0].tolist(), flush=True)
 except RuntimeError as error:
-    print("raised", str(error).splitlines()[0], tensor.tolist(), flush=True)
+    print("raised", str(error).splitlines()[0], tensor.tolist(), output[0].tolist(), flush=True)
 time.sleep(1)  # the watchdog's time to act
 print("survived", flush=True)
 """
 
 
-def _staged_failure(env):
+def _failed_call(env, call="all_reduce", device="cpu"):
+    """A one-rank hccl group whose ``call``'s collective fails as HCCL reports it by default, on ``device``."""
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-c", _STAGED_FAILURE], env=dict(os.environ, **env), capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", _FAILED_CALL, call, device], env=dict(os.environ, **env),
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_a_staged_call_whose_collective_fails_on_hccl_ends_the_process_by_default():
     """HCCL's default: wait() does not raise, the watchdog tears the process down (docs/staging.md)."""
-    done = _staged_failure({})
+    done = _failed_call({})
     assert done.returncode != 0 and "survived" not in done.stdout
     assert "injected backend failure (on wait)" in done.stderr
 
 
-def test_without_hccls_async_error_handling_a_staged_call_writes_back_what_the_failure_left():
-    """HCCL_ASYNC_ERROR_HANDLING=0: nothing reports the failure to comm, which writes back the garbage, as a
-    hand-written copy back would (docs/staging.md: the guarantee holds only where wait() raises)."""
-    done = _staged_failure({"HCCL_ASYNC_ERROR_HANDLING": "0"})
-    assert done.returncode == 0, done.stderr
-    assert "returned [nan, nan]" in done.stdout and "survived" in done.stdout
+@pytest.mark.parametrize("call", ["all_reduce", "all_gather"])
+def test_without_hccls_async_error_handling_a_failed_staged_call_leaves_what_the_served_one_leaves(call):
+    """HCCL_ASYNC_ERROR_HANDLING=0: nothing raises, on the served road (the oracle) as staged, and the process
+    lives on. The served all-reduce leaves the failed collective's garbage in its tensor, in place; staged, comm
+    writes back its copy, which began as the caller's data: the same garbage. An all-gather's output comm stages
+    in a fresh buffer: its stale contents never land (before: they did), so the caller's output stays as it was,
+    where the simulated HCCL's served one holds garbage (docs/staging.md)."""
+    served = _failed_call({"HCCL_ASYNC_ERROR_HANDLING": "0"}, call, "npu:0")
+    staged = _failed_call({"HCCL_ASYNC_ERROR_HANDLING": "0"}, call, "cpu")
+    for done in (served, staged):
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("returned") and "survived" in done.stdout
+    if call == "all_reduce":
+        assert staged.stdout == served.stdout == "returned [nan, nan] [5.0, 5.0]\nsurvived\n"
+    else:
+        assert served.stdout == "returned [1.0, 1.0] [nan, nan]\nsurvived\n"
+        assert staged.stdout == "returned [1.0, 1.0] [5.0, 5.0]\nsurvived\n"
 
 
 def test_under_hccls_blocking_wait_a_staged_call_whose_collective_fails_writes_nothing():
     """TORCH_HCCL_BLOCKING_WAIT=1: wait() raises and comm writes nothing back."""
-    done = _staged_failure({"TORCH_HCCL_BLOCKING_WAIT": "1"})
+    done = _failed_call({"TORCH_HCCL_BLOCKING_WAIT": "1"})
     assert done.returncode == 0, done.stderr
     assert "raised injected backend failure (on wait)" in done.stdout and "[1.0, 1.0]" in done.stdout

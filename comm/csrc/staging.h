@@ -67,6 +67,9 @@ int64_t nowNs();
 struct Piece {
   Tensors callers;
   at::Tensor staged;
+  // Whether `staged` began as a copy of the callers' data (an in-place collective's
+  // tensor): then it holds what the collective left in them, failed or not.
+  bool reads;
 };
 
 // What one staged call writes back once its collective has completed: each piece
@@ -89,7 +92,9 @@ class WriteBack {
   // The host waits for copyBack's copies, unless `covered` (copies queued later on the same
   // stream were waited for); whether they are done now.
   bool awaitCopies(bool covered);
-  void land();
+  // `failed`: the collective failed without raising (failedQuietly): only pieces that
+  // read land, which hold what the served collective leaves in its tensors.
+  void land(bool failed);
   const Tensors& results() const { return results_; }
   // Says what was staged, for an error raised by the collective.
   std::string what() const { return what_(); }
@@ -137,6 +142,9 @@ class StagedWork final : public c10d::Work {
  private:
   // The write-backs' three steps, each for every write-back before the next step.
   void writeAll();
+  // Whether a collective failed without raising from wait() (HCCL and NCCL with their
+  // asynchronous error handling off): its work reports it once it has ended.
+  bool failedQuietly();
   // Where `callerReads`: the caller's current stream, which wait() orders after the
   // works as well as `stream`; else none.
   std::optional<c10::Stream> callersStream() const;
