@@ -32,12 +32,14 @@ _STORE_PREFIX = "comm-staging"
 _CPU_STORE_PREFIX = "comm-staging-cpu"
 
 
-def communicator_factory(pg: dist.ProcessGroup, target: torch.device, name: str) -> Callable[[], Any]:
+def communicator_factory(pg: dist.ProcessGroup, target: torch.device,
+                         name: str) -> Callable[[datetime.timedelta], Any]:
     """A function of a timeout that makes comm's communicator: a new backend of kind ``name`` (the group's for
     ``target``), with the options of the group's backend there and that timeout.
 
     comm's backend calls it with the group's timeout (:func:`group_timeout`, or a later
-    ``set_timeout``'s), so that the communicator fails a late peer when the group's own would. It holds the group by weak reference (the group holds the staging backend, which
+    ``set_timeout``'s), so that the communicator fails a late peer when the group's own would.
+    It holds the group by weak reference (the group holds the staging backend, which
     holds this function), and reads the group's store, ranks and options when it runs:
     at the first staged call from a thread other than the group's, after c10d has
     finished registering the group.
@@ -56,7 +58,8 @@ def communicator_factory(pg: dist.ProcessGroup, target: torch.device, name: str)
     return make
 
 
-def cpu_communicator_factory(pg: dist.ProcessGroup, target: torch.device) -> Optional[Callable[[], Any]]:
+def cpu_communicator_factory(pg: dist.ProcessGroup,
+                             target: torch.device) -> Optional[Callable[[datetime.timedelta], Any]]:
     """A function that makes a gloo communicator over the group's store, or None where staging targets the CPU.
 
     comm's backend uses it for CPU reductions of dtypes the group's backend cannot

@@ -4,8 +4,8 @@
 
 The cases are every DistributedTest case named for a collective, a point-to-point
 call or barrier, less those for CUDA, NCCL and DDP, plus the GPU-only cases of
-:data:`NEED_GPUS`, which torch skips on a CPU-only machine and must skip under comm too. Each case forks WORLD_SIZE ranks
-from this process, which imported ``comm``: with ``COMM_PATCH=1`` every rank runs
+:data:`NEED_GPUS`, which torch skips on a CPU-only machine and must skip under comm
+too. Each case forks WORLD_SIZE ranks from this process, which imported ``comm``: with ``COMM_PATCH=1`` every rank runs
 torch's test patched. Each rank writes to STATS_DIR whether it was patched.
 With SHARD and COUNT it runs every COUNT-th case from the SHARD-th (cases mostly
 wait on each other's ranks, so shards run side by side well).
