@@ -19,6 +19,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.distributed.constants import default_pg_timeout
 
 from comm._releases import backend_options
 
@@ -31,10 +32,13 @@ _STORE_PREFIX = "comm-staging"
 _CPU_STORE_PREFIX = "comm-staging-cpu"
 
 
-def communicator_factory(pg: dist.ProcessGroup, target: torch.device, name: str) -> Callable[[], Any]:
-    """A function that makes comm's communicator: a new backend of kind ``name`` (the group's for ``target``), with
-    the options of the group's backend there.
+def communicator_factory(pg: dist.ProcessGroup, target: torch.device,
+                         name: str) -> Callable[[datetime.timedelta], Any]:
+    """A function of a timeout that makes comm's communicator: a new backend of kind ``name`` (the group's for
+    ``target``), with the options of the group's backend there and that timeout.
 
+    comm's backend calls it with the group's timeout (:func:`group_timeout`, or a later
+    ``set_timeout``'s), so that the communicator fails a late peer when the group's own would.
     It holds the group by weak reference (the group holds the staging backend, which
     holds this function), and reads the group's store, ranks and options when it runs:
     at the first staged call from a thread other than the group's, after c10d has
@@ -42,32 +46,32 @@ def communicator_factory(pg: dist.ProcessGroup, target: torch.device, name: str)
     """
     group = weakref.ref(pg)
 
-    def make() -> Any:
+    def make(timeout: datetime.timedelta) -> Any:
         made, store = _group_and_store(group, _STORE_PREFIX)
         ranks = dist.get_process_group_ranks(made)
         options = backend_options(made._get_backend(target))
         _LOG.info("comm makes a %s communicator for staged calls from another thread on group %r", name,
                   made.group_name)
-        return _new_backend(name, store, made.rank(), made.size(), _timeout(made, target), ranks,
+        return _new_backend(name, store, made.rank(), made.size(), timeout, ranks,
                             f"{made.group_name}:{_STORE_PREFIX}", options)
 
     return make
 
 
-def cpu_communicator_factory(pg: dist.ProcessGroup, target: torch.device) -> Optional[Callable[[], Any]]:
+def cpu_communicator_factory(pg: dist.ProcessGroup,
+                             target: torch.device) -> Optional[Callable[[datetime.timedelta], Any]]:
     """A function that makes a gloo communicator over the group's store, or None where staging targets the CPU.
 
     comm's backend uses it for CPU reductions of dtypes the group's backend cannot
     reduce (float64 on hccl, a bool reduce-scatter): gloo reduces a CPU tensor where it
     is, in its own dtype. It is made at the first such call, on every rank alike, as
-    every rank makes the same calls.
+    every rank makes the same calls, with the timeout comm's backend calls it with (the group's).
     """
     if target.type == "cpu":
         return None
-    timeout = _timeout(pg, target)
     group = weakref.ref(pg)
 
-    def make() -> Any:
+    def make(timeout: datetime.timedelta) -> Any:
         made, store = _group_and_store(group, _CPU_STORE_PREFIX)
         return dist.ProcessGroupGloo(store, made.rank(), made.size(), timeout)
 
@@ -82,9 +86,27 @@ def _group_and_store(group: "weakref.ref[dist.ProcessGroup]", prefix: str) -> Tu
     return made, c10d.PrefixStore(prefix, c10d._world.pg_map[made][1])
 
 
-def _timeout(pg: dist.ProcessGroup, target: torch.device) -> datetime.timedelta:
-    timeout = getattr(backend_options(pg._get_backend(target)), "_timeout", None)
-    return timeout if isinstance(timeout, datetime.timedelta) else c10d.default_pg_timeout
+def group_timeout(pg: dist.ProcessGroup, target: torch.device, native: Any) -> datetime.timedelta:
+    """The timeout of ``pg``'s own backends, which every communicator comm makes for it takes.
+
+    That of the backend for ``target`` first, then of the group's other backends (on
+    ``"cpu:gloo,npu:hccl"`` c10d gives each the group's): read from the options
+    Python sees (torch_npu's ``ProcessGroupHCCL.options``; gloo's, nccl's), else from
+    ``getBackendOptions()`` through ``native`` (comm's C++, which reaches it on every
+    torch release). Where no backend of the group keeps options, torch's default for the
+    c10d's backends, with a warning: c10d keeps a group's timeout nowhere else.
+    """
+    devices = [target] + [device for device in pg._device_types if device.type != target.type]
+    for device in devices:
+        backend = pg._get_backend(device)
+        timeout = getattr(backend_options(backend), "_timeout", None)
+        if not isinstance(timeout, datetime.timedelta):
+            timeout = native.backend_timeout(backend)
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    _LOG.warning("comm cannot read group %r's timeout (its backends keep no options): the communicators comm makes "
+                 "for it time out after torch's default, %s", pg.group_name, default_pg_timeout)
+    return default_pg_timeout
 
 
 def _new_backend(name: str, store: Any, rank: int, size: int, timeout: datetime.timedelta, ranks: List[int],

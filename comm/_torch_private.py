@@ -89,8 +89,9 @@ PRIVATE_NAMES: Dict[str, str] = {
         "DTensor._local_tensor, the shard itself)",
     "torch.distributed.tensor._dtensor_spec.TensorMeta": "the shape, stride and dtype a DTensorSpec carries",
     "torch.testing._internal":
-        "torch's test helpers, which the translation counts as a device selector (comm/translate/policy.py): told "
-        "the accelerator's device count, torch's own tests run on it",
+        "torch's test helpers, which the translation counts as a device selector where the process has an "
+        "accelerator (comm/translate/policy.py): told its device count, torch's own tests run on it; on the CPU "
+        "alone they see the truth and skip their GPU-only tests",
     "torch.distributed._make_nccl_premul_sum":
         "the stand-in torch_npu.distributed._make_hccl_premul_sum, which torch_npu defines as this very function",
 }

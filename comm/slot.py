@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from comm._communicators import communicator_factory, cpu_communicator_factory
+from comm._communicators import communicator_factory, cpu_communicator_factory, group_timeout
 from comm._env import env_bytes
 from comm._native import STAGING
 from comm.device import accelerator_type, bound_device, current_device
@@ -101,11 +101,13 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
         native = STAGING.load()
         factories = (communicator_factory(pg, target, _kind_on(facts, target)), cpu_communicator_factory(pg, target))
         chunk_bytes = env_bytes("COMM_STAGING_CHUNK_BYTES", CHUNK_BYTES)
+        timeout = group_timeout(pg, target, native)
         try:
-            backend = native.staging_backend(pg.rank(), pg.size(), target, pg._get_backend(target), *factories,
-                                             chunk_bytes=chunk_bytes)
+            backend = native.staging_backend(pg.rank(), pg.size(), target, pg._get_backend(target), timeout,
+                                             *factories, chunk_bytes=chunk_bytes)
         except TypeError:  # the group's backend there is no c10d Backend comm can hold: comm's own for every thread
-            backend = native.staging_backend(pg.rank(), pg.size(), target, None, *factories, chunk_bytes=chunk_bytes)
+            backend = native.staging_backend(pg.rank(), pg.size(), target, None, timeout, *factories,
+                                             chunk_bytes=chunk_bytes)
         label = _free_label(facts)
         for device_type in missing:
             pg._register_backend(torch.device(device_type), label, backend)

@@ -8,12 +8,14 @@ import time
 import tracemalloc
 import weakref
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import comm
 import comm.slot
 
+from faults import late_peer
 from multiproc import NPU, in_one_rank, run_ranks
 
 PG_TIMEOUT = 5.0
@@ -56,6 +58,48 @@ def test_a_killed_rank_fails_the_survivor_through_the_staging_path():
     survivor, _ = run_ranks(_killed_mid_loop, 2, backend="hccl", simulate=NPU, args=(True,),
                             env={"TORCH_HCCL_BLOCKING_WAIT": "1"}, pg_timeout=PG_TIMEOUT, expect_dead=[1], timeout=60)
     _check_survivor(survivor, staged=True)
+
+
+# A peer that joins the group, then comes to a call long after the group's timeout: rank 0 must end within
+# the timeout and a few seconds (process start and the watchdog's poll aside), staged as on the served road.
+LATE_TIMEOUT, LATE, SLACK = 5.0, 30.0, 4.0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("backend,scenario", [("hccl", "staged_from_thread"), ("hccl", "float64"),
+                                              ("gloo", "staged_from_thread")])
+def test_a_late_peer_ends_a_staged_call_within_the_groups_timeout(backend, scenario):
+    """Staged from another thread (comm's communicator of the group's kind) or as float64 on hccl (comm's gloo
+    communicator), rank 0 ends within the group's timeout as the served call does (the oracle: on hccl the
+    watchdog tears the process down, on gloo the call raises). Before, comm's communicators took torch's
+    default of 30 minutes."""
+    served = late_peer(backend, "served", LATE_TIMEOUT, LATE)
+    staged = late_peer(backend, scenario, LATE_TIMEOUT, LATE)
+    assert served["seconds"] < LATE_TIMEOUT + SLACK, served
+    assert staged["seconds"] < LATE_TIMEOUT + SLACK, staged
+    assert staged["how"].startswith("raised") or staged["exit"] != 0, staged  # it ended: no result came back
+
+
+def _staging_timeout_of_a_group_made_with(seconds):
+    """The timeout comm's backend on a new hccl group holds (and hands each communicator it makes)."""
+    import datetime
+
+    from comm._native import STAGING
+
+    group = dist.new_group([0], backend="hccl", timeout=datetime.timedelta(seconds=seconds))
+    try:
+        comm.equip(group)
+        backend = group._get_backend(torch.device("cpu"))
+        held = STAGING.load().backend_timeout(backend)
+        group.set_timeout(datetime.timedelta(seconds=seconds + 1))  # reaches comm's backend too, as c10d's own
+        return held.total_seconds(), STAGING.load().backend_timeout(backend).total_seconds()
+    finally:
+        dist.destroy_process_group(group)
+
+
+def test_comms_backend_takes_the_groups_timeout():
+    """The simulated hccl keeps options as ProcessGroupHCCL does; comm reads the group's timeout there."""
+    assert in_one_rank(_staging_timeout_of_a_group_made_with, 7) == (7.0, 8.0)
 
 
 THREADS, CALLS = 4, 500
@@ -184,49 +228,66 @@ def test_ten_thousand_calls_do_not_grow_memory():
     assert not seen["work_holds_group"] and seen["work_result"] == [1.0, 1.0]
 
 
-_STAGED_FAILURE = r"""
-import time, torch, torch.distributed as dist
+_FAILED_CALL = r"""
+import sys, time, torch, torch.distributed as dist
 import comm, comm.testing
+call, device = sys.argv[1], sys.argv[2]  # device "npu:0": served, the oracle; "cpu": comm stages it
 comm.testing.simulate_accelerator("npu", "hccl", device_count=1)
 dist.init_process_group("hccl", rank=0, world_size=1, store=dist.HashStore(), device_id=torch.device("npu:0"))
-tensor = torch.ones(2)  # a CPU tensor on the hccl group: comm stages it
-comm.all_reduce(tensor)
+comm.equip()
+tensor = torch.ones(2, device=device)
+output = [torch.full((2,), 5.0, device=device)]  # what an all-gather writes
+run = {"all_reduce": lambda: dist.all_reduce(tensor), "all_gather": lambda: dist.all_gather(output, tensor)}[call]
+run()
+output[0].fill_(5.0)  # as it was before the failed call
 comm.testing.fail_next("fail_async")
 try:
-    comm.all_reduce(tensor)
-    print("returned", tensor.tolist(), flush=True)
+    run()
+    print("returned", tensor.tolist(), output[0].tolist(), flush=True)
 except RuntimeError as error:
-    print("raised", str(error).splitlines()[0], tensor.tolist(), flush=True)
+    print("raised", str(error).splitlines()[0], tensor.tolist(), output[0].tolist(), flush=True)
 time.sleep(1)  # the watchdog's time to act
 print("survived", flush=True)
 """
 
 
-def _staged_failure(env):
+def _failed_call(env, call="all_reduce", device="cpu"):
+    """A one-rank hccl group whose ``call``'s collective fails as HCCL reports it by default, on ``device``."""
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-c", _STAGED_FAILURE], env=dict(os.environ, **env), capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", _FAILED_CALL, call, device], env=dict(os.environ, **env),
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_a_staged_call_whose_collective_fails_on_hccl_ends_the_process_by_default():
     """HCCL's default: wait() does not raise, the watchdog tears the process down (docs/staging.md)."""
-    done = _staged_failure({})
+    done = _failed_call({})
     assert done.returncode != 0 and "survived" not in done.stdout
     assert "injected backend failure (on wait)" in done.stderr
 
 
-def test_without_hccls_async_error_handling_a_staged_call_writes_back_what_the_failure_left():
-    """HCCL_ASYNC_ERROR_HANDLING=0: nothing reports the failure to comm, which writes back the garbage, as a
-    hand-written copy back would (docs/staging.md: the guarantee holds only where wait() raises)."""
-    done = _staged_failure({"HCCL_ASYNC_ERROR_HANDLING": "0"})
-    assert done.returncode == 0, done.stderr
-    assert "returned [nan, nan]" in done.stdout and "survived" in done.stdout
+@pytest.mark.parametrize("call", ["all_reduce", "all_gather"])
+def test_without_hccls_async_error_handling_a_failed_staged_call_leaves_what_the_served_one_leaves(call):
+    """HCCL_ASYNC_ERROR_HANDLING=0: nothing raises, on the served road (the oracle) as staged, and the process
+    lives on. The served all-reduce leaves the failed collective's garbage in its tensor, in place; staged, comm
+    writes back its copy, which began as the caller's data: the same garbage. An all-gather's output comm stages
+    in a fresh buffer: its stale contents never land (before: they did), so the caller's output stays as it was,
+    where the simulated HCCL's served one holds garbage (docs/staging.md)."""
+    served = _failed_call({"HCCL_ASYNC_ERROR_HANDLING": "0"}, call, "npu:0")
+    staged = _failed_call({"HCCL_ASYNC_ERROR_HANDLING": "0"}, call, "cpu")
+    for done in (served, staged):
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("returned") and "survived" in done.stdout
+    if call == "all_reduce":
+        assert staged.stdout == served.stdout == "returned [nan, nan] [5.0, 5.0]\nsurvived\n"
+    else:
+        assert served.stdout == "returned [1.0, 1.0] [nan, nan]\nsurvived\n"
+        assert staged.stdout == "returned [1.0, 1.0] [5.0, 5.0]\nsurvived\n"
 
 
 def test_under_hccls_blocking_wait_a_staged_call_whose_collective_fails_writes_nothing():
     """TORCH_HCCL_BLOCKING_WAIT=1: wait() raises and comm writes nothing back."""
-    done = _staged_failure({"TORCH_HCCL_BLOCKING_WAIT": "1"})
+    done = _failed_call({"TORCH_HCCL_BLOCKING_WAIT": "1"})
     assert done.returncode == 0, done.stderr
     assert "raised injected backend failure (on wait)" in done.stdout and "[1.0, 1.0]" in done.stdout

@@ -134,7 +134,7 @@ def _integer_avg_on_a_communicator_named_nccl(rank, world_size):
     # blocking wait (1): the divide's error raises from wait() rather than going to the watchdog
     named_nccl = SIMULATED.load().make_backend(host, "nccl", {}, True, 1)
     staging = STAGING.load().staging_backend(rank, world_size, torch.device("npu", rank), None,
-                                             lambda: named_nccl)
+                                             datetime.timedelta(seconds=30), lambda timeout: named_nccl)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.AVG
     # gloo underneath then divides in floating point: its error, not comm's refusal, says AVG reached it.

@@ -16,7 +16,7 @@ from comm.translate import calls as translate_calls
 from comm.translate import core as translate_core
 from comm.translate import cuda as translate_cuda
 
-from multiproc import error_of, no_cuda_errors, quiet_env
+from multiproc import error_of, in_one_rank, no_cuda_errors, quiet_env
 
 
 @pytest.fixture
@@ -98,7 +98,7 @@ def test_policy_user_code_takes_its_cuda_branch_libraries_do_not(translated, lau
         "json": _asked_from("json", __import__("json").__file__),
         # the device-selection frameworks, which then run on the device through torch.cuda, see True
         "lightning": _asked_from("lightning.fabric.accelerators.cuda", str(site / "lightning" / "cuda.py")),
-        # ... as do torch's own test helpers (skip_if_lt_x_gpu), but not the rest of torch.testing
+        # ... but not torch's own test helpers (skip_if_lt_x_gpu) on this CPU-only process, nor torch.testing
         "torch.testing._internal": _asked_from("torch.testing._internal.common_distributed", torch.__file__),
         "torch.testing": _asked_from("torch.testing._comparison", torch.__file__),
         # the user's script and its own modules (wherever they are), and code typed in, see True
@@ -108,7 +108,7 @@ def test_policy_user_code_takes_its_cuda_branch_libraries_do_not(translated, lau
     }
     truth, told = (False, 0), (True, 2)
     assert answers == {"torch.distributed.device_mesh": truth, "comm.slot": truth, "torchao.utils": truth,
-                       "transformers": truth, "json": truth, "lightning": told, "torch.testing._internal": told,
+                       "transformers": truth, "json": truth, "lightning": told, "torch.testing._internal": truth,
                        "torch.testing": truth, "__main__": told, "models": told, "<stdin>": told}
 
 
@@ -126,14 +126,12 @@ def _run_skip_if_lt_x_gpu(helper) -> str:
     return f"skipped: {case.skipped}" if hasattr(case, "skipped") else outcome
 
 
-def test_torchs_test_helpers_count_the_devices(launched):
-    """torch's skip_if_lt_x_gpu, asked under the translation, runs a test that needs 2 "GPUs" on 2 ranks' devices.
+def test_torchs_test_helpers_see_no_gpu_on_a_cpu_only_process(launched):
+    """torch's skip_if_lt_x_gpu under the translation, on this CPU-only process, skips as without comm.
 
-    Releases up to 2.14 ask ``torch.cuda``, which the translation answers; 2.15 asks ``torch.accelerator``,
-    which names no CUDA, so there the helper must decide as it does without comm (skip, on this CPU box).
+    Told the CPU's stand-in count, it ran torch's GPU-only tests on the CPU, where they fail
+    (DistributedTest's test_monitored_barrier_allreduce_hang; tests/test_patch.py runs it).
     """
-    import inspect
-
     from torch.testing._internal.common_distributed import skip_if_lt_x_gpu
 
     launched({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"})
@@ -143,9 +141,24 @@ def test_torchs_test_helpers_count_the_devices(launched):
         translated = _run_skip_if_lt_x_gpu(skip_if_lt_x_gpu)
     finally:
         comm.unpatch()
-    asks_cuda = "torch.cuda.device_count" in inspect.getsource(skip_if_lt_x_gpu)
     assert plainly != "ran"  # told the truth (no CUDA), it skips the test
-    assert translated == ("ran" if asks_cuda else plainly)
+    assert translated == plainly
+
+
+def _skip_if_lt_x_gpu_patched():
+    from torch.testing._internal.common_distributed import skip_if_lt_x_gpu
+
+    comm.patch()
+    try:
+        return _run_skip_if_lt_x_gpu(skip_if_lt_x_gpu)
+    finally:
+        comm.unpatch()
+
+
+def test_torchs_test_helpers_count_the_accelerators_devices():
+    """Where the process has an accelerator (the simulated NPU's 8 devices), torch's skip_if_lt_x_gpu(2) counts
+    them and runs the test: through torch.cuda's translation up to torch 2.14, through torch.accelerator on 2.15."""
+    assert in_one_rank(_skip_if_lt_x_gpu_patched) == "ran"
 
 
 def test_stand_ins_for_classes_are_classes(translated):

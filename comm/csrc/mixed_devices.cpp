@@ -130,7 +130,7 @@ class Copies {
       copied_.bytes += static_cast<int64_t>(tensor.nbytes());
     }
     if (writes) {
-      pieces_.push_back(Piece{{tensor}, staged});
+      pieces_.push_back(Piece{{tensor}, staged, reads});
       written_.push_back(tensor);
     }
     callers_.emplace_back(staged, tensor);

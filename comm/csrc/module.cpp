@@ -1,4 +1,5 @@
 // The Python face of comm's native part: make a staging backend, read its counters.
+#include <pybind11/chrono.h>
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -10,18 +11,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace comm_native;
   m.def(
       "staging_backend",
-      [](int rank, int size, c10::Device target, std::optional<BackendPtr> own, CommunicatorFactory factory,
-         CommunicatorFactory cpuFactory, int64_t chunkBytes) -> BackendPtr {
+      [](int rank, int size, c10::Device target, std::optional<BackendPtr> own, std::chrono::milliseconds timeout,
+         CommunicatorFactory factory, CommunicatorFactory cpuFactory, int64_t chunkBytes) -> BackendPtr {
         return c10::make_intrusive<StagingBackend>(rank, size, target, own ? *own : BackendPtr(), std::move(factory),
-                                                   std::move(cpuFactory), chunkBytes);
+                                                   std::move(cpuFactory), chunkBytes, timeout);
       },
       pybind11::arg("rank"), pybind11::arg("size"), pybind11::arg("target"), pybind11::arg("own"),
-      pybind11::arg("communicator"), pybind11::arg("cpu_communicator") = pybind11::none(),
+      pybind11::arg("timeout"), pybind11::arg("communicator"), pybind11::arg("cpu_communicator") = pybind11::none(),
       pybind11::arg("chunk_bytes") = 0,
       "A c10d Backend that stages each call onto `target` and runs it on `own` (the group's backend there) "
-      "from the calling thread, on the backend `communicator()` makes from any other thread; CPU reductions of "
-      "dtypes those cannot reduce run on the gloo backend `cpu_communicator()` makes. A host tensor's all-reduce "
-      "of at least 2 x `chunk_bytes` runs pipelined in chunks of that size (0: never).");
+      "from the calling thread, on the backend `communicator(timeout)` makes from any other thread; CPU reductions "
+      "of dtypes those cannot reduce run on the gloo backend `cpu_communicator(timeout)` makes. A host tensor's all-reduce "
+      "of at least 2 x `chunk_bytes` runs pipelined in chunks of that size (0: never). `timeout`: the group's, which "
+      "each factory is called with (as is a later set_timeout's).");
+  m.def(
+      "backend_timeout",
+      [](const BackendPtr& backend) -> std::optional<std::chrono::milliseconds> {
+        try {
+          if (auto options = backend->getBackendOptions()) return options->timeout;
+        } catch (const c10::Error&) { // c10d's Backend::getBackendOptions refuses where a backend keeps none
+        }
+        return std::nullopt;
+      },
+      "A backend's timeout as its getBackendOptions() reports it, on every torch release (Python sees that "
+      "method as `options` from torch 2.14 only), or None where it keeps none.");
   m.def(
       "communicators_made",
       [](const BackendPtr& backend) -> std::map<std::string, int64_t> {

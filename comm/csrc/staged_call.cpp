@@ -102,7 +102,7 @@ Tensors StagedCall::inReported(const Tensors& list) {
 
 at::Tensor StagedCall::buffer(const at::Tensor& tensor, bool reads) {
   auto staged = reads ? in(tensor) : at::empty(tensor.sizes(), tensor.options().device(target_));
-  pieces_.push_back(Piece{{tensor}, staged});
+  pieces_.push_back(Piece{{tensor}, staged, reads});
   results_.push_back(tensor);
   noteSource(tensor);
   return staged;
@@ -130,7 +130,7 @@ Tensors StagedCall::inOut(const Tensors& list) {
 
 at::Tensor StagedCall::flat(const Tensors& list, bool reads) {
   auto staged = reads ? in(joined(list)) : at::empty({total(list)}, list.front().options().device(target_));
-  pieces_.push_back(Piece{list, staged});
+  pieces_.push_back(Piece{list, staged, reads});
   results_.insert(results_.end(), list.begin(), list.end());
   noteSource(list.front());
   return staged;

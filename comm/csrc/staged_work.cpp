@@ -101,14 +101,15 @@ bool WriteBack::awaitCopies(bool covered) {
   return true;
 }
 
-void WriteBack::land() {
-  std::call_once(landOnce_, [this] {
+void WriteBack::land(bool failed) {
+  std::call_once(landOnce_, [this, failed] {
     at::AutoDispatchBelowADInplaceOrView belowAutograd;
     RECORD_FUNCTION("comm.write_back", std::vector<c10::IValue>());
     Tally copied;
     auto start = nowNs();
     for (size_t i = 0; i < pieces_.size(); ++i) {
       const auto& piece = pieces_[i];
+      if (failed && !piece.reads) continue;
       copied.transfers += 1;
       copied.bytes += static_cast<int64_t>(piece.staged.nbytes());
       distribute(i < landed_.size() && landed_[i].defined() ? landed_[i] : piece.staged, pieces_[i].callers);
@@ -144,7 +145,18 @@ void StagedWork::writeAll() {
   // One wait, for the last copies: they ran on one stream, after the earlier ones.
   bool covered = false;
   for (auto back = backs_.rbegin(); back != backs_.rend(); ++back) covered = (*back)->awaitCopies(covered);
-  for (auto& back : backs_) back->land();
+  // A collective that failed without raising leaves its tensors as the served call would
+  // only where comm's copy began as the caller's data (an all-reduce's: what the collective
+  // left in place, garbage or not); a fresh output buffer's stale contents never land.
+  bool failed = failedQuietly();
+  for (auto& back : backs_) back->land(failed);
+}
+
+bool StagedWork::failedQuietly() {
+  return std::any_of(inner_.begin(), inner_.end(), [](const WorkPtr& work) {
+    work->isCompleted(); // NCCL's and HCCL's works learn of an error here (isSuccess() is deprecated on NCCL's)
+    return work->exception() != nullptr;
+  });
 }
 
 bool StagedWork::isCompleted() {

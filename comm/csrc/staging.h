@@ -43,8 +43,9 @@ using Tensors = std::vector<at::Tensor>;
 using TensorLists = std::vector<std::vector<at::Tensor>>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
-// Makes the communicator staged calls run on; called once, at the first staged call.
-using CommunicatorFactory = std::function<BackendPtr()>;
+// Makes the communicator staged calls run on, with the group's timeout at that moment;
+// called once, at the first staged call that needs it.
+using CommunicatorFactory = std::function<BackendPtr(std::chrono::milliseconds)>;
 
 // ---- tallies.cpp: what staging cost, per collective (torch.distributed's name for it),
 // for comm.stats(): staged calls, host-device copies, their bytes and the time spent copying.
@@ -66,6 +67,9 @@ int64_t nowNs();
 struct Piece {
   Tensors callers;
   at::Tensor staged;
+  // Whether `staged` began as a copy of the callers' data (an in-place collective's
+  // tensor): then it holds what the collective left in them, failed or not.
+  bool reads;
 };
 
 // What one staged call writes back once its collective has completed: each piece
@@ -88,7 +92,9 @@ class WriteBack {
   // The host waits for copyBack's copies, unless `covered` (copies queued later on the same
   // stream were waited for); whether they are done now.
   bool awaitCopies(bool covered);
-  void land();
+  // `failed`: the collective failed without raising (failedQuietly): only pieces that
+  // read land, which hold what the served collective leaves in its tensors.
+  void land(bool failed);
   const Tensors& results() const { return results_; }
   // Says what was staged, for an error raised by the collective.
   std::string what() const { return what_(); }
@@ -136,6 +142,9 @@ class StagedWork final : public c10d::Work {
  private:
   // The write-backs' three steps, each for every write-back before the next step.
   void writeAll();
+  // Whether a collective failed without raising from wait() (HCCL and NCCL with their
+  // asynchronous error handling off): its work reports it once it has ended.
+  bool failedQuietly();
   // Where `callerReads`: the caller's current stream, which wait() orders after the
   // works as well as `stream`; else none.
   std::optional<c10::Stream> callersStream() const;
@@ -240,11 +249,13 @@ class StagingBackend final : public c10d::Backend {
   // communicator over the group's store, for CPU reductions of dtypes the group's
   // backend cannot reduce (made at the first one).
   // `chunkBytes`: a host tensor's all-reduce of at least twice this many bytes runs
-  // pipelined, in chunks of this size (0: never).
+  // pipelined, in chunks of this size (0: never). `timeout`: the group's; every
+  // communicator comm makes takes it (and a later setTimeout's) when it is made.
   StagingBackend(int rank, int size, at::Device target, BackendPtr own, CommunicatorFactory factory,
-                 CommunicatorFactory cpuFactory = nullptr, int64_t chunkBytes = 0);
+                 CommunicatorFactory cpuFactory, int64_t chunkBytes, std::chrono::milliseconds timeout);
   // A backend split from another: every thread runs on `communicator`, comm's own.
-  StagingBackend(int rank, int size, at::Device target, BackendPtr communicator, int64_t chunkBytes);
+  StagingBackend(int rank, int size, at::Device target, BackendPtr communicator, int64_t chunkBytes,
+                 std::chrono::milliseconds timeout);
 
   const std::string getBackendName() const override { return "comm"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;

@@ -13,14 +13,15 @@
 namespace comm_native {
 
 StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr own, CommunicatorFactory factory,
-                               CommunicatorFactory cpuFactory, int64_t chunkBytes)
+                               CommunicatorFactory cpuFactory, int64_t chunkBytes, std::chrono::milliseconds timeout)
     : Backend(rank, size), target_(target), own_(std::move(own)), owner_(std::this_thread::get_id()),
-      factory_(std::move(factory)), cpuFactory_(std::move(cpuFactory)), timeout_(kBackendDefaultTimeout),
+      factory_(std::move(factory)), cpuFactory_(std::move(cpuFactory)), timeout_(timeout),
       chunkBytes_(chunkBytes), coalesces_(own_ && own_->supportsCoalescing()) {}
 
-StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr communicator, int64_t chunkBytes)
+StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr communicator, int64_t chunkBytes,
+                               std::chrono::milliseconds timeout)
     : Backend(rank, size), target_(target), owner_(std::this_thread::get_id()),
-      communicator_(std::move(communicator)), timeout_(kBackendDefaultTimeout), chunkBytes_(chunkBytes),
+      communicator_(std::move(communicator)), timeout_(timeout), chunkBytes_(chunkBytes),
       coalesces_(communicator_->supportsCoalescing()) {}
 
 at::Device StagingBackend::target() const {
@@ -62,7 +63,7 @@ c10d::Backend& StagingBackend::madeCommunicator() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!communicator_) {
     TORCH_CHECK(factory_, "comm's staging backend has no communicator");
-    communicator_ = factory_();
+    communicator_ = factory_(timeout_);
     factory_ = nullptr; // drop what the factory holds (Python objects) once it has made the communicator
     TORCH_CHECK(communicator_, "comm's staging backend: the communicator factory returned nothing");
   }
@@ -89,10 +90,9 @@ c10d::Backend& StagingBackend::cpuCommunicator() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!cpuCommunicator_) {
     TORCH_CHECK(cpuFactory_, "comm's staging backend has no CPU communicator");
-    cpuCommunicator_ = cpuFactory_();
+    cpuCommunicator_ = cpuFactory_(timeout_);
     cpuFactory_ = nullptr;
     TORCH_CHECK(cpuCommunicator_, "comm's staging backend: the CPU communicator factory returned nothing");
-    cpuCommunicator_->setTimeout(timeout_);
   }
   return *cpuCommunicator_;
 }
@@ -300,11 +300,8 @@ BackendPtr StagingBackend::split(const c10::intrusive_ptr<c10d::Store>& store, c
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("comm-staging", store);
   auto part = comm.split(prefixed, ranks, comm.getBackendOptions());
   if (!part) return nullptr; // this rank is in none of the new groups
-  auto split = c10::make_intrusive<StagingBackend>(part->getRank(), part->getSize(), target(), part, chunkBytes_);
   auto timeout = opts ? opts->timeout : getBackendOptions()->timeout;
-  std::lock_guard<std::mutex> lock(split->mutex_);
-  split->timeout_ = timeout;
-  return split;
+  return c10::make_intrusive<StagingBackend>(part->getRank(), part->getSize(), target(), part, chunkBytes_, timeout);
 }
 
 } // namespace comm_native

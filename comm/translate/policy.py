@@ -3,8 +3,10 @@
 The user's script and its own modules do, so a trainer takes its CUDA branch, which comm
 translates; torch, comm and installed packages see the truth, so a library is not sent
 down a path that needs CUDA itself. Device-selection frameworks that then run through
-``torch.cuda`` (Lightning's ``accelerator="cuda"``, torch's own test helpers in
-``torch.testing._internal``) are the exception.
+``torch.cuda`` (Lightning's ``accelerator="cuda"``) are the exception, and so are torch's own
+test helpers (``torch.testing._internal``) where the process has an accelerator: they then count
+its devices. On a CPU-only process they see the truth, so that torch's tests that need a GPU skip
+there as they do without comm.
 """
 
 from __future__ import annotations
@@ -13,13 +15,18 @@ import functools
 import os
 import sys
 import sysconfig
-from typing import Tuple
+from typing import FrozenSet, Tuple
 
-# Installed packages (and torch's own test helpers) that choose the device from is_available()
-# and device_count(), then run on it through torch.cuda's functions, init_process_group("nccl")
-# and .to("cuda:N"), which the translation translates: Lightning's accelerator="cuda";
-# torch.testing._internal's skip_if_lt_x_gpu and the distributed tests' device choice.
-DEVICE_SELECTORS = frozenset({"lightning", "lightning_fabric", "pytorch_lightning", "torch.testing._internal"})
+from comm.translate.core import target_type
+
+# Installed packages that choose the device from is_available() and device_count(), then run on
+# it through torch.cuda's functions, init_process_group("nccl") and .to("cuda:N"), which the
+# translation translates: Lightning's accelerator="cuda".
+DEVICE_SELECTORS = frozenset({"lightning", "lightning_fabric", "pytorch_lightning"})
+# torch's test helpers (skip_if_lt_x_gpu, the distributed tests' device choice): selectors where
+# the process has an accelerator, whose devices they then count; on the CPU alone a test that
+# needs GPUs must skip, as without comm.
+TEST_HELPERS = frozenset({"torch.testing._internal"})
 _OWN = frozenset({"torch", "comm"})
 _INSTALLED = ("site-packages", "dist-packages")
 
@@ -29,27 +36,36 @@ def sees_the_truth(depth: int = 2) -> bool:
 
     That is torch and comm, and installed packages (code in a site-packages or
     dist-packages folder, or the standard library), other than the device-selection
-    frameworks and torch's test helpers of :data:`DEVICE_SELECTORS`: a library told ``True`` takes paths that
+    frameworks of :data:`DEVICE_SELECTORS`, and torch's test helpers (:data:`TEST_HELPERS`)
+    on a process without an accelerator: a library told ``True`` takes paths that
     need CUDA itself (capability checks, Triton kernels, fused optimizers). The user's
     script and its own modules see ``True``.
     """
     frame = sys._getframe(depth)
-    return _truth_for(str(frame.f_globals.get("__name__", "")), frame.f_code.co_filename)
+    kind = _kind_of(str(frame.f_globals.get("__name__", "")), frame.f_code.co_filename)
+    return kind == _TRUTH or (kind == _HELPER and target_type() == "cpu")
+
+
+# What code of a module is told: the truth, what the translation answers, or (torch's test helpers)
+# what the translation answers where there is an accelerator.
+_TRUTH, _TOLD, _HELPER = "truth", "told", "helper"
 
 
 @functools.lru_cache(maxsize=4096)
-def _truth_for(module: str, filename: str) -> bool:
-    if _is_selector(module):
-        return False
-    if module.partition(".")[0] in _OWN:
-        return True
-    return _is_installed_code(filename)
+def _kind_of(module: str, filename: str) -> str:
+    if _is_in(module, TEST_HELPERS):
+        return _HELPER
+    if _is_in(module, DEVICE_SELECTORS):
+        return _TOLD
+    if module.partition(".")[0] in _OWN or _is_installed_code(filename):
+        return _TRUTH
+    return _TOLD
 
 
-def _is_selector(module: str) -> bool:
-    """Whether ``module`` is one of :data:`DEVICE_SELECTORS` or inside one (``torch.testing._internal.x``)."""
+def _is_in(module: str, packages: FrozenSet[str]) -> bool:
+    """Whether ``module`` is one of ``packages`` or inside one (``torch.testing._internal.x``)."""
     parts = module.split(".")
-    return any(".".join(parts[:length]) in DEVICE_SELECTORS for length in range(1, len(parts) + 1))
+    return any(".".join(parts[:length]) in packages for length in range(1, len(parts) + 1))
 
 
 @functools.lru_cache(maxsize=1)

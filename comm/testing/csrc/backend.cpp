@@ -412,6 +412,12 @@ class SimulatedBackend final : public c10d::Backend {
   ~SimulatedBackend() override { release(); }
 
   const std::string getBackendName() const override { return name_; }
+  // ProcessGroupHCCL keeps its options, the group's timeout among them (torch_npu binds them to Python as
+  // `options`, ProcessGroupHCCL::getOptions), and takes a new timeout (setTimeout): here the host's.
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    return c10::make_intrusive<Options>(name_, host_->getBackendOptions()->timeout);
+  }
+  void setTimeout(std::chrono::milliseconds timeout) override { host_->setTimeout(timeout); }
 
   // Coalescing as HCCL does it (torch_npu's ProcessGroupHCCL: supportsCoalescing() is
   // true, ProcessGroupHCCL.hpp:566 in the 2.13 wheel; collectiveCoalesced and p2p join a
