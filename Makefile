@@ -101,7 +101,7 @@ test-peers: $(PEERS_VENV)/.installed
 	$(PEERS_VENV)/bin/python -m pytest -n 2 -q -rfEs tests/peers
 
 # The real torch_npu (issue 50): the torch-npu wheel that pairs with the pinned torch, unmodified, on comm's fake
-# CANN (comm/testing/cann), in a venv of its own; plainly and under comm (tests/torch_npu). This pytest runs with
+# CANN (comm/testing/cann), in a venv of its own; plainly and under comm (tests/real_torch_npu). This pytest runs with
 # torch_npu's autoload off: torch would import it, which needs CANN, at its own import; the ranks are on the fake.
 TORCH_NPU_VENV := .venv-torch-npu
 
@@ -112,7 +112,7 @@ $(TORCH_NPU_VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	touch $@
 
 test-torch-npu: $(TORCH_NPU_VENV)/.installed
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(TORCH_NPU_VENV)/bin/python -m pytest -p no:xdist -q -rfEs tests/torch_npu
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(TORCH_NPU_VENV)/bin/python -m pytest -p no:xdist -q -rfEs tests/real_torch_npu
 
 # Real launchers (issue 36): mpirun (OpenMPI), mpiexec (MPICH), srun and sbatch on a two-node Slurm cluster that
 # tests/launchers starts in a folder of its own, torchrun agents; installs the packages once as root (else skips,

@@ -146,7 +146,7 @@ def build() -> Path:
             return folder
         torch_lib = Path(torch.__file__).parent / "lib"
         flags = [f"-I{p}" for p in cpp_extension.include_paths()] + [
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{_CSRC}"]
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}", f"-I{_CSRC}"]
         objects = [folder / (Path(s).stem + ".o") for s in _SOURCES]
         with ThreadPoolExecutor(max_workers=max(1, min(len(_SOURCES), os.cpu_count() or 1))) as pool:
             list(pool.map(lambda pair: _compile(_CSRC / pair[0], pair[1], flags), zip(_SOURCES, objects)))
