@@ -112,3 +112,12 @@ def test_a_dead_peer_ends_the_survivor_through_torch_npus_watchdog_within_the_ti
     assert run.returncode != 0 and "still running" not in run.stdout, run.stdout
     assert "HcclGetCommAsyncError" in run.stderr and "has exited" in run.stderr, run.stderr[-3000:]
     assert time.monotonic() - started < 60
+
+
+def test_a_stream_waits_for_the_record_it_saw_not_a_later_one_on_another_stream():
+    """The fake's events as a device's: FSDP2's streams re-record ProcessGroupHCCL's events; an earlier
+    fake released such waits early and FSDP2's gradients came out wrong in about one run in three."""
+    run = subprocess.run([sys.executable, "-m", "comm.testing.cann", str(HERE / "streams.py")], capture_output=True,
+                         text=True, timeout=300, env={k: v for k, v in os.environ.items()
+                                                      if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"})
+    assert run.stdout.strip().splitlines()[-1:] == ["right"], (run.stdout, run.stderr[-3000:])

@@ -45,6 +45,8 @@ CANN_LIBRARIES = (
 )
 # CANN's functions among the names a torch_npu library leaves undefined or looks up by string.
 _CANN_NAME = re.compile(r"^(acl[a-zA-Z]\w*|Msprof\w+|rt[A-Z]\w*|Hccl[A-Z]\w*)$")
+# Stubs that would compute something: they fail with their name, never succeed having done nothing.
+_MUST_FAIL = re.compile(r"^(aclnn\w+|aclop\w*(Execute|Compile)\w*)$")
 _OPERATOR_NAME = re.compile(rb"aclnn[A-Z][A-Za-z0-9_]*")
 
 
@@ -95,13 +97,11 @@ def _wanted_names(libraries: List[Path]) -> Set[str]:
 
 def _stubs_source(names: Set[str]) -> str:
     """C for each name: a function that reports it has no body here (aclnn operators) or does nothing."""
-    lines = ['#include <stdio.h>',
-             'extern int fake_cann_missing(const char* name);']
+    lines = ['extern int fake_cann_missing(const char* name);',
+             'extern int fake_cann_ignored(const char* name);']
     for name in sorted(names):
-        if name.startswith("aclnn"):
-            lines.append(f'int {name}(void) {{ return fake_cann_missing("{name}"); }}')
-        else:
-            lines.append(f"int {name}(void) {{ return 0; }}")
+        body = "missing" if _MUST_FAIL.match(name) else "ignored"
+        lines.append(f'int {name}(void) {{ return fake_cann_{body}("{name}"); }}')
     return "\n".join(lines) + "\n"
 
 

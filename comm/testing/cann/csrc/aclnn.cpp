@@ -16,6 +16,8 @@
 #include <c10/core/InferenceMode.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -326,6 +328,19 @@ ACLNN(Mul, [](Tensor a, Tensor b, Tensor out) { put(out, at::mul(a, b)); }, T, T
 ACLNN(Muls, [](Tensor a, Scalar b, Tensor out) { put(out, at::mul(a, b)); }, T, S, T)
 ACLNN(InplaceMul, [](Tensor a, Tensor b) { a.mul_(b); }, T, T)
 ACLNN(InplaceMuls, [](Tensor a, Scalar b) { a.mul_(b); }, T, S)
+
+// What every other stub returns: success, having done nothing (profiling, dumps, attributes of the
+// aclop path). COMM_FAKE_CANN_TRACE=1 names each the first time it is called.
+extern "C" int fake_cann_ignored(const char* name) {
+  static const bool trace = std::getenv("COMM_FAKE_CANN_TRACE") != nullptr;
+  static std::mutex mutex;
+  static std::set<std::string> seen;
+  if (trace) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (seen.insert(name).second) std::fprintf(stderr, "fake CANN: %s does nothing here\n", name);
+  }
+  return kSuccess;
+}
 
 // What every operator stub (stubs.c) returns: torch_npu reports the failure with this text.
 extern "C" int fake_cann_missing(const char* name) {

@@ -18,6 +18,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -120,7 +121,10 @@ class Comm {
     stream_of(stream)->enqueue([this, body = std::move(body)] {
       if (error_.load() == kOk) {
         c10::InferenceMode no_autograd;
+        if (busy_.exchange(true))
+          std::fprintf(stderr, "fake CANN: two streams run operations of communicator %s at once\n", token_.c_str());
         HcclResult result = body(*this);
+        busy_.store(false);
         if (result != kOk) error_.store(result);
       }
       --in_flight_;
@@ -158,6 +162,7 @@ class Comm {
   uint64_t generation_ = 0;
   std::atomic<int> error_{kOk};
   std::atomic<int> in_flight_{0};
+  std::atomic<bool> busy_{false};
   std::mutex rings_mutex_;
 };
 

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <set>
 #include <vector>
 
 namespace fake_cann {
@@ -55,17 +56,21 @@ Streams& streams() {
   return *s;
 }
 
+// An event's records are numbered; each completes when its stream reaches it. Records on
+// different streams complete in any order, so a wait is for one record, the latest when the
+// wait was made, not for "some record at least as new" (as a CUDA or ACL event is waited for).
 struct Event {
   std::mutex mutex;
   std::condition_variable cv;
-  uint64_t recorded = 0;   // how many records were queued
-  uint64_t completed = 0;  // how many of them their stream reached
+  uint64_t recorded = 0;        // the number of the latest record
+  std::set<uint64_t> pending;   // records queued whose stream has not reached them
   std::chrono::steady_clock::time_point when;
+  bool done(uint64_t record) const { return pending.count(record) == 0; }
 };
 
 bool event_done(Event* e) {
   std::lock_guard<std::mutex> lock(e->mutex);
-  return e->completed >= e->recorded;
+  return e->done(e->recorded);
 }
 
 aclError allocate(void** pointer, size_t size) {
@@ -122,6 +127,12 @@ Stream::~Stream() {
 }
 
 void Stream::enqueue(std::function<void()> task) {
+  static const bool inline_mode = std::getenv("COMM_FAKE_CANN_SYNC") != nullptr;
+  if (inline_mode) {  // a debugging mode: each task runs at once, on the caller's thread
+    synchronize();
+    task();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     tasks_.push_back(std::move(task));
@@ -468,11 +479,12 @@ aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
   {
     std::lock_guard<std::mutex> lock(e->mutex);
     generation = ++e->recorded;
+    e->pending.insert(generation);
   }
   stream_of(stream)->enqueue([e, generation] {
     {
       std::lock_guard<std::mutex> lock(e->mutex);
-      e->completed = std::max(e->completed, generation);
+      e->pending.erase(generation);
       e->when = std::chrono::steady_clock::now();
     }
     e->cv.notify_all();
@@ -492,7 +504,7 @@ aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event) {
   }
   stream_of(stream)->enqueue([e, generation] {
     std::unique_lock<std::mutex> lock(e->mutex);
-    e->cv.wait(lock, [&] { return e->completed >= generation; });
+    e->cv.wait(lock, [&] { return e->done(generation); });
   });
   return kSuccess;
 }
@@ -501,7 +513,7 @@ aclError aclrtSynchronizeEvent(aclrtEvent event) {
   auto* e = static_cast<Event*>(event);
   std::unique_lock<std::mutex> lock(e->mutex);
   uint64_t generation = e->recorded;
-  e->cv.wait(lock, [&] { return e->completed >= generation; });
+  e->cv.wait(lock, [&] { return e->done(generation); });
   return kSuccess;
 }
 
