@@ -8,7 +8,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch_npu  # noqa: F401
 
 rank = int(os.environ["RANK"])
 torch.npu.set_device(rank)

@@ -10,7 +10,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch_npu  # noqa: F401
 
 rank = int(os.environ["RANK"])
 torch.npu.set_device(rank)

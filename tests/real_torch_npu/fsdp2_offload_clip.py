@@ -47,7 +47,6 @@ def reference(steps, max_norm):
 
 
 def on_npus(steps, max_norm):
-    import torch_npu  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 

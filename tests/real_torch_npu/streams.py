@@ -8,7 +8,6 @@ device event is waited for on hardware; it prints ``right`` or ``wrong``.
 import os
 
 import torch
-import torch_npu  # noqa: F401
 
 torch.npu.set_device(0)
 a, b, c = torch.npu.Stream(), torch.npu.Stream(), torch.npu.Stream()

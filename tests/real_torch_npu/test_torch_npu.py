@@ -2,7 +2,9 @@
 caching allocator, ProcessGroupHCCL and watchdog, plainly and under comm.
 
 The second seed too: FSDP2 with CPU offload fails plainly at torch's clip and, under comm, makes
-three steps that match one CPU process.
+three steps that match one CPU process. And the simulated NPU against the real thing: the same
+scripts (collectives, FSDP2, a CUDA trainer), plainly and under comm, on comm's simulated NPU
+and on torch_npu over the fake, must answer alike.
 
 Run by ``make test-torch-npu`` in a venv of its own (.venv-torch-npu: the pinned torch and the
 torch-npu wheel that pairs with it), not by ``make test``. Plainly (``python -m comm.testing.cann``)
@@ -30,13 +32,23 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None,
                                 reason="needs torch_npu: make test-torch-npu installs it in .venv-torch-npu")
 
 
-def torchrun(script, *args, comm):
-    """``script`` on two ranks over the fake CANN: plainly, or under ``-m comm --simulate cann``."""
-    under = ["-m", "comm", "--simulate", "cann"] if comm else []
-    command = [sys.executable, "-m", "comm.testing.cann", "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", *under, str(script), *args]
+# Runs a script on comm's simulated NPU without comm, as tests/clients does.
+ON_SIMULATED_NPU = HERE.parent / "clients" / "on_simulated_npu.py"
+
+
+def torchrun(script, *args, comm, on="cann"):
+    """``script`` on two ranks, plainly or under comm, ``on`` the fake CANN (the real torch_npu) or on comm's
+    simulated NPU (its stand-in torch_npu; torch_npu's autoload off, or torch would import the real one)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "HCCL_EXEC_TIMEOUT": "60"}
     env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)  # the tier's pytest turns it off; torch_npu's users do not
+    if on == "cann":
+        launch = ["-m", "comm.testing.cann", "-m", "torch.distributed.run"]
+        under = ["-m", "comm", "--simulate", "cann"] if comm else []
+    else:
+        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+        launch = ["-m", "torch.distributed.run"]
+        under = ["-m", "comm", "--simulate", "npu"] if comm else [str(ON_SIMULATED_NPU)]
+    command = [sys.executable, *launch, "--standalone", "--nproc-per-node", "2", *under, str(script), *args]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -121,3 +133,42 @@ def test_a_stream_waits_for_the_record_it_saw_not_a_later_one_on_another_stream(
                          text=True, timeout=300, env={k: v for k, v in os.environ.items()
                                                       if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"})
     assert run.stdout.strip().splitlines()[-1:] == ["right"], (run.stdout, run.stderr[-3000:])
+
+
+# The simulated NPU against the real torch_npu: the same scripts, plainly and under comm, must do the same.
+CUDA_TRAINER = HERE.parent.parent / "examples" / "cuda_trainer.py"
+NO_CUDA_BINDINGS = "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'"
+
+
+def first_error(stderr):
+    """The first exception line a run's ranks raised (``Type: message``), or None."""
+    found = re.search(r"^(?:\[rank\d\]: )?(\w+(?:Error|Exception): .*)$", stderr, re.MULTILINE)
+    return found.group(1) if found else None
+
+
+@pytest.mark.parametrize("comm", [False, True], ids=["plain", "under_comm"])
+def test_the_simulated_npu_answers_the_collectives_as_the_real_torch_npu_does(comm):
+    real, simulated = (torchrun(HERE / "collectives.py", comm=comm, on=on) for on in ("cann", "npu"))
+    assert outcomes(real.stdout) and outcomes(simulated.stdout) == outcomes(real.stdout), (real.stdout,
+                                                                                            simulated.stderr[-3000:])
+
+
+@pytest.mark.parametrize("comm", [False, True], ids=["plain", "under_comm"])
+def test_the_simulated_npu_trains_fsdp2_with_offload_as_the_real_torch_npu_does(comm):
+    real, simulated = (torchrun(HERE / "fsdp2_offload_clip.py", comm=comm, on=on) for on in ("cann", "npu"))
+    assert (real.returncode == 0) == (simulated.returncode == 0) == comm
+    assert steps(simulated.stdout) == steps(real.stdout)
+    assert first_error(simulated.stderr) == first_error(real.stderr), (real.stderr[-2000:], simulated.stderr[-2000:])
+    assert comm or first_error(real.stderr) == "RuntimeError: " + SEED_ERROR
+
+
+@pytest.mark.parametrize("comm", [False, True], ids=["plain", "under_comm"])
+def test_the_simulated_npu_runs_a_cuda_trainer_as_the_real_torch_npu_does(comm):
+    real, simulated = (torchrun(CUDA_TRAINER, comm=comm, on=on) for on in ("cann", "npu"))
+    loss = re.compile(r"^rank \d: .* loss \S+ on \S+$", re.MULTILINE)
+    losses = [sorted(loss.findall(run.stdout)) for run in (real, simulated)]
+    if comm:
+        assert real.returncode == simulated.returncode == 0, (real.stderr[-2000:], simulated.stderr[-2000:])
+        assert len(losses[0]) == 16 and losses[0] == losses[1]
+    else:
+        assert NO_CUDA_BINDINGS in real.stderr and NO_CUDA_BINDINGS in simulated.stderr
