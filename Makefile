@@ -111,8 +111,15 @@ $(TORCH_NPU_VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 		"torch-npu==$(PINNED_TORCH)"
 	touch $@
 
+# Then comm's staging tests on hccl groups, their ranks on the real torch_npu (COMM_SIMULATE=cann, which
+# python -m comm.testing.cann sets): all but those that read the simulation's own counters or backends, and the
+# bool AVG, which the simulated hccl refuses and torch_npu's accepts (docs/simulated-npu.md).
+ON_REAL_TORCH_NPU_ONLY := not (synchronises or get_future or pipelined or goes_to_a_backend or is_staged_onto_hccl)
+
 test-torch-npu: $(TORCH_NPU_VENV)/.installed
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(TORCH_NPU_VENV)/bin/python -m pytest -p no:xdist -q -rfEs tests/real_torch_npu
+	$(TORCH_NPU_VENV)/bin/python -m comm.testing.cann -m pytest -p no:xdist -q tests/test_hccl_staging.py \
+		-k "$(ON_REAL_TORCH_NPU_ONLY)"
 
 # Real launchers (issue 36): mpirun (OpenMPI), mpiexec (MPICH), srun and sbatch on a two-node Slurm cluster that
 # tests/launchers starts in a folder of its own, torchrun agents; installs the packages once as root (else skips,

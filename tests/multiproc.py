@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import importlib
 import multiprocessing
 import os
 import pickle
@@ -338,7 +339,10 @@ def _become_rank(
         import comm
         import comm.testing
 
-        comm.testing.simulate_accelerator(**simulate)
+        if ON_REAL_TORCH_NPU:
+            importlib.import_module("torch_npu")  # on the fake CANN this process loaded (comm._cann_boot)
+        else:
+            comm.testing.simulate_accelerator(**simulate)
         comm.bind(rank)
     if backend is not None:
         init_group(backend, rank, world_size, pg_timeout)
@@ -373,6 +377,12 @@ def error_of(
     return None
 
 
+# COMM_SIMULATE=cann: the tests that ask for the simulated NPU run on the real torch_npu over comm's fake
+# CANN instead (make test-torch-npu runs a choice of them so), with its own hccl; the simulation's options
+# (refusals, failure injection) do not apply there.
+ON_REAL_TORCH_NPU = os.environ.get("COMM_SIMULATE", "").strip() == "cann"
+
+
 def skip_unless_simulation() -> None:
     """Skip the calling test where the simulated accelerator cannot be built; else build it now.
 
@@ -383,6 +393,9 @@ def skip_unless_simulation() -> None:
     """
     global _SIMULATION_BUILT
     from comm._native import SIMULATED
+
+    if ON_REAL_TORCH_NPU:
+        return
 
     reason = SIMULATED.unavailable_reason()
     if reason is not None:

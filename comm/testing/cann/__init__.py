@@ -41,7 +41,7 @@ _HEADERS = ("fake_cann.h",)
 CANN_LIBRARIES = (
     "libascendcl.so", "libhccl.so", "libopapi.so", "libnnopbase.so", "libacl_op_compiler.so", "libge_runner.so",
     "libgraph.so", "libacl_tdt_channel.so", "libruntime.so", "libmsprofiler.so", "libms_tools_ext.so",
-    "libascend_dump.so", "libfmk_parser.so", "libascend_protobuf.so", "libacl_dvpp.so", "libatb.so",
+    "libascend_dump.so", "libfmk_parser.so", "libascend_protobuf.so", "libacl_dvpp.so", "libatb.so", "libhcomm.so",
 )
 # CANN's functions among the names a torch_npu library leaves undefined or looks up by string.
 _CANN_NAME = re.compile(r"^(acl[a-zA-Z]\w*|Msprof\w+|rt[A-Z]\w*|Hccl[A-Z]\w*)$")
