@@ -33,7 +33,7 @@ from typing import List, Optional, Set
 __all__ = ["CANN_LIBRARIES", "build", "require_torch_npu", "torch_npu_problem"]
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("runtime.cpp", "hccl.cpp", "aclnn.cpp")
+_SOURCES = ("runtime.cpp", "hccl.cpp", "aclnn.cpp", "aclop.cpp")
 _HEADERS = ("fake_cann.h",)
 
 # The names torch_npu links or dlopens CANN's libraries by: each is the one fake library.

@@ -531,3 +531,4 @@ ACLNN(ForeachAddcdivScalarV2, [](Tensors x, Tensors a, Tensors b, Scalar v, Tens
   each(out, [&](size_t i) { return at::addcdiv(x[i], a[i], b[i], v); }); }, TL, TL, TL, S, TL)
 ACLNN(ChunkCat, [](Tensors list, int64_t d, int64_t chunks, Tensor out) { put(out, at::_chunk_cat(list, d, chunks)); },
       TL, int64_t, int64_t, T)
+ACLNN(Repeat, [](Tensor a, Ints repeats, Tensor out) { put(out, a.repeat(repeats)); }, T, IA, T)

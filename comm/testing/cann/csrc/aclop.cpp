@@ -1,0 +1,177 @@
+// The aclop path: operators described by tensor descriptions, data buffers and attributes,
+// run by aclopCompileAndExecute (acl_op.h, acl_op_compiler.h of CANN). torch_npu takes it for
+// what has no aclnn operator, chiefly tensors in private formats. Only the operators below run;
+// any other fails with its name, never succeeding having done nothing.
+#include "fake_cann.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+using namespace fake_cann;
+
+struct aclTensorDesc {
+  int dtype;
+  std::vector<int64_t> dims;
+  int format;
+};
+struct aclDataBuffer {
+  void* data;
+  size_t size;
+};
+struct aclopAttr {};  // the operators below take no attribute
+
+namespace {
+
+constexpr int kFractalNz = 29;  // aclFormat ACL_FORMAT_FRACTAL_NZ (acl_base.h)
+
+bool base_format(int format) { return format == 0 || format == 1 || format == 2; }  // NCHW, NHWC, ND
+
+bool same_layout(const aclTensorDesc* a, const aclTensorDesc* b) {
+  return a != nullptr && b != nullptr && a->dtype == b->dtype && a->dims == b->dims && a->format == b->format;
+}
+
+at::ScalarType scalar_type(int acl) {
+  switch (acl) {
+    case 0: return at::kFloat;
+    case 1: return at::kHalf;
+    case 2: return at::kChar;
+    case 3: return at::kInt;
+    case 4: return at::kByte;
+    case 9: return at::kLong;
+    case 27: return at::kBFloat16;
+    default: return at::kDouble;
+  }
+}
+
+at::Tensor on(const aclDataBuffer* buffer, const aclTensorDesc* desc) {
+  return at::from_blob(buffer->data, desc->dims, at::TensorOptions().dtype(scalar_type(desc->dtype)));
+}
+
+// A matrix [..., M, N] of a base format seen as FRACTAL_NZ's blocks [..., N1, M1, m0, n0] (a 1-D
+// tensor as one row), the layout CANN's TransData writes: the matrix padded with zeros to whole
+// m0 x n0 blocks, the blocks column-major, each block row-major.
+at::Tensor nz_from_nd(at::Tensor nd, at::IntArrayRef nz) {
+  if (nd.dim() == 1) nd = nd.unsqueeze(0);
+  int64_t d = static_cast<int64_t>(nz.size());
+  int64_t n1 = nz[d - 4], m1 = nz[d - 3], m0 = nz[d - 2], n0 = nz[d - 1];
+  at::Tensor padded = at::constant_pad_nd(nd, {0, n1 * n0 - nd.size(-1), 0, m1 * m0 - nd.size(-2)});
+  std::vector<int64_t> blocks(nd.sizes().begin(), nd.sizes().end() - 2);
+  for (int64_t size : {m1, m0, n1, n0}) blocks.push_back(size);
+  int64_t b = static_cast<int64_t>(blocks.size());
+  std::vector<int64_t> order;
+  for (int64_t i = 0; i < b - 4; ++i) order.push_back(i);
+  for (int64_t i : {b - 2, b - 4, b - 3, b - 1}) order.push_back(i);
+  return padded.reshape(blocks).permute(order);
+}
+
+at::Tensor nd_from_nz(const at::Tensor& nz, at::IntArrayRef nd) {
+  int64_t d = nz.dim();
+  std::vector<int64_t> order;
+  for (int64_t i = 0; i < d - 4; ++i) order.push_back(i);
+  for (int64_t i : {d - 3, d - 2, d - 4, d - 1}) order.push_back(i);
+  std::vector<int64_t> matrix(nz.sizes().begin(), nz.sizes().end() - 4);
+  matrix.push_back(nz.size(d - 3) * nz.size(d - 2));
+  matrix.push_back(nz.size(d - 4) * nz.size(d - 1));
+  at::Tensor full = nz.permute(order).reshape(matrix);
+  int64_t rows = nd.size() == 1 ? 1 : nd[nd.size() - 2];
+  return full.narrow(-2, 0, rows).narrow(-1, 0, nd.back()).reshape(nd);
+}
+
+// What Identity writes from `in` into `out`: a copy within one layout, or a change between a base
+// format and FRACTAL_NZ (the runtime inserts TransData there); nullptr for what it cannot do.
+std::function<void()> identity(const aclTensorDesc* in_desc, const aclDataBuffer* in, const aclTensorDesc* out_desc,
+                               const aclDataBuffer* out) {
+  if (in_desc == nullptr || out_desc == nullptr || in_desc->dtype != out_desc->dtype) return nullptr;
+  aclTensorDesc src = *in_desc, dst = *out_desc;
+  aclDataBuffer from = *in, to = *out;
+  if (same_layout(in_desc, out_desc) || (base_format(src.format) && base_format(dst.format))) {
+    return [from, to] { std::memmove(to.data, from.data, std::min(from.size, to.size)); };
+  }
+  if (base_format(src.format) && dst.format == kFractalNz && dst.dims.size() >= 4) {
+    return [src, dst, from, to] { on(&to, &dst).copy_(nz_from_nd(on(&from, &src), dst.dims)); };
+  }
+  if (src.format == kFractalNz && base_format(dst.format) && src.dims.size() >= 4) {
+    return [src, dst, from, to] { on(&to, &dst).copy_(nd_from_nz(on(&from, &src), dst.dims)); };
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+extern "C" {
+
+aclTensorDesc* aclCreateTensorDesc(int dtype, int numDims, const int64_t* dims, int format) {
+  return new aclTensorDesc{dtype, std::vector<int64_t>(dims, dims + std::max(numDims, 0)), format};
+}
+void aclDestroyTensorDesc(const aclTensorDesc* desc) { delete desc; }
+int aclSetTensorFormat(aclTensorDesc* desc, int format) {
+  desc->format = format;
+  return kSuccess;
+}
+int aclSetTensorShape(aclTensorDesc* desc, int numDims, const int64_t* dims) {
+  desc->dims.assign(dims, dims + std::max(numDims, 0));
+  return kSuccess;
+}
+int aclSetTensorPlaceMent(aclTensorDesc*, int) { return kSuccess; }
+void aclSetTensorDescName(aclTensorDesc*, const char*) {}
+int aclGetTensorDescType(const aclTensorDesc* desc) { return desc->dtype; }
+int aclGetTensorDescFormat(const aclTensorDesc* desc) { return desc->format; }
+size_t aclGetTensorDescNumDims(const aclTensorDesc* desc) { return desc->dims.size(); }
+int aclGetTensorDescDimV2(const aclTensorDesc* desc, size_t index, int64_t* size) {
+  if (size == nullptr || index >= desc->dims.size()) return kInvalidParam;
+  *size = desc->dims[index];
+  return kSuccess;
+}
+
+aclDataBuffer* aclCreateDataBuffer(void* data, size_t size) { return new aclDataBuffer{data, size}; }
+int aclDestroyDataBuffer(const aclDataBuffer* buffer) {
+  delete buffer;
+  return kSuccess;
+}
+
+aclopAttr* aclopCreateAttr() { return new aclopAttr(); }
+void aclopDestroyAttr(const aclopAttr* attr) { delete attr; }
+int aclopSetAttrString(aclopAttr*, const char*, const char*) { return kSuccess; }
+int aclopSetAttrBool(aclopAttr*, const char*, uint8_t) { return kSuccess; }
+int aclopSetAttrInt(aclopAttr*, const char*, int64_t) { return kSuccess; }
+int aclopSetAttrFloat(aclopAttr*, const char*, float) { return kSuccess; }
+int aclopSetAttrDataType(aclopAttr*, const char*, int) { return kSuccess; }
+int aclopSetAttrListBool(aclopAttr*, const char*, int, const uint8_t*) { return kSuccess; }
+int aclopSetAttrListInt(aclopAttr*, const char*, int, const int64_t*) { return kSuccess; }
+int aclopSetAttrListFloat(aclopAttr*, const char*, int, const float*) { return kSuccess; }
+int aclopSetAttrListListInt(aclopAttr*, const char*, int, const int*, const int64_t* const[]) { return kSuccess; }
+
+// Identity runs (see identity above); every other operator fails with its name.
+int aclopCompileAndExecute(const char* opType, int numInputs, const aclTensorDesc* const inputDesc[],
+                           const aclDataBuffer* const inputs[], int numOutputs, const aclTensorDesc* const outputDesc[],
+                           aclDataBuffer* const outputs[], const aclopAttr*, int, int, const char*, void* stream) {
+  std::string name = opType == nullptr ? "" : opType;
+  std::function<void()> run;
+  if (name == "Identity" && numInputs == 1 && numOutputs == 1)
+    run = identity(inputDesc[0], inputs[0], outputDesc[0], outputs[0]);
+  if (run) {
+    stream_of(stream)->enqueue([run] {
+      c10::InferenceMode no_autograd;
+      run();
+    });
+    return kSuccess;
+  }
+  std::string message = "fake CANN: aclop operator " + name + " has no body in comm's fake CANN (comm/testing/cann)";
+  std::fprintf(stderr, "%s\n", message.c_str());
+  set_error(message);
+  return kAclnnInner;
+}
+
+int aclopCompileAndExecuteV2(const char* opType, int numInputs, aclTensorDesc* inputDesc[], aclDataBuffer* inputs[],
+                             int numOutputs, aclTensorDesc* outputDesc[], aclDataBuffer* outputs[], aclopAttr* attr,
+                             int engine, int compile, const char* path, void* stream) {
+  return aclopCompileAndExecute(opType, numInputs, inputDesc, inputs, numOutputs, outputDesc, outputs, attr, engine,
+                                compile, path, stream);
+}
+
+}  // extern "C"
