@@ -51,24 +51,27 @@ _OPERATOR_NAME = re.compile(rb"aclnn[A-Z][A-Za-z0-9_]*")
 
 
 def torch_npu_problem() -> Optional[str]:
-    """Why torch_npu cannot run here on the fake, as one line saying what to install; None when it can."""
+    """Why torch_npu cannot run here on the fake, as one line saying what to install; None when it can.
+
+    Each torch_npu release requires one torch release (torch-npu 2.13.0 requires torch 2.13.0).
+    """
     import importlib.metadata
 
     import torch
 
+    wanted = f"pip install 'torch-npu=={_release(torch.__version__)}.*'"
     try:
         release = importlib.metadata.version("torch_npu")
     except importlib.metadata.PackageNotFoundError:
-        return (f"torch_npu is not installed: pip install 'torch-npu=={_release(torch.__version__)}' "
-                f"(the torch_npu release that pairs with this torch {torch.__version__})")
+        return f"torch_npu is not installed: {wanted} (the torch_npu release that pairs with this torch)"
     if _release(release) != _release(torch.__version__):
-        return (f"torch_npu {release} does not pair with torch {torch.__version__}: "
-                f"pip install 'torch-npu=={_release(torch.__version__)}'")
+        return f"torch_npu {release} does not pair with torch {torch.__version__}: {wanted}"
     return None
 
 
 def _release(version: str) -> str:
-    return ".".join(version.split("+")[0].split(".")[:3]).split("post")[0].rstrip(".")
+    """A release's major, minor and patch numbers (2.9.0.post9: 2.9.0): what pairs torch_npu with torch."""
+    return ".".join(version.split("+")[0].split(".")[:3])
 
 
 def _torch_npu_libraries() -> List[Path]:
