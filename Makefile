@@ -103,12 +103,24 @@ test-peers: $(PEERS_VENV)/.installed
 # The real torch_npu (issue 50): the torch-npu wheel that pairs with the pinned torch, unmodified, on comm's fake
 # CANN (comm/testing/cann), in a venv of its own; plainly and under comm (tests/real_torch_npu). This pytest runs with
 # torch_npu's autoload off: torch would import it, which needs CANN, at its own import; the ranks are on the fake.
+# On another release (make test-torch-npu TORCH=2.9.1): that release's venv with the torch-npu wheel that pairs
+# with it added (--no-deps: the venv's torch stays), and the tests on the fake alone, not against the simulation.
+ifeq ($(TORCH),$(PINNED_TORCH))
 TORCH_NPU_VENV := .venv-torch-npu
+TORCH_NPU_TESTS :=
+else
+TORCH_NPU_VENV := $(VENV)
+TORCH_NPU_TESTS := -k "not simulated"
+endif
 
-$(TORCH_NPU_VENV)/.installed: setup.cfg pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(TORCH_NPU_VENV)
-	$(TORCH_NPU_VENV)/bin/python -m pip install --quiet --no-compile --constraint constraints.txt --editable '.[test]' \
-		"torch-npu==$(PINNED_TORCH)"
+.venv-torch-npu/.installed: setup.cfg pyproject.toml constraints.txt
+	$(PYTHON) -m venv .venv-torch-npu
+	.venv-torch-npu/bin/python -m pip install --quiet --no-compile --constraint constraints.txt --editable '.[test]' \
+		"torch-npu==$(PINNED_TORCH).*"
+	touch $@
+
+$(VENV)/.torch-npu-installed: $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-compile --no-deps "torch-npu==$(TORCH).*" pyyaml
 	touch $@
 
 # Then comm's staging tests on hccl groups, their ranks on the real torch_npu (COMM_SIMULATE=cann, which
@@ -116,8 +128,9 @@ $(TORCH_NPU_VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 # bool AVG, which the simulated hccl refuses and torch_npu's accepts (docs/simulated-npu.md).
 ON_REAL_TORCH_NPU_ONLY := not (synchronises or get_future or pipelined or goes_to_a_backend or is_staged_onto_hccl)
 
-test-torch-npu: $(TORCH_NPU_VENV)/.installed
-	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(TORCH_NPU_VENV)/bin/python -m pytest -p no:xdist -q -rfEs tests/real_torch_npu
+test-torch-npu: $(if $(filter $(TORCH),$(PINNED_TORCH)),.venv-torch-npu/.installed,$(VENV)/.torch-npu-installed)
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(TORCH_NPU_VENV)/bin/python -m pytest -p no:xdist -q -rfEs tests/real_torch_npu \
+		$(TORCH_NPU_TESTS)
 	$(TORCH_NPU_VENV)/bin/python -m comm.testing.cann -m pytest -p no:xdist -q tests/test_hccl_staging.py \
 		-k "$(ON_REAL_TORCH_NPU_ONLY)"
 
@@ -179,4 +192,4 @@ test-wheel: wheel
 		$(PY) -m pytest -p no:xdist -p no:cacheprovider -q tests/prebuilt
 
 clean:
-	rm -rf .venv .venv-torch* $(TORCH_NPU_VENV) $(CLIENTS_VENV) $(OWN_VENV_CLIENTS:%=.venv-%) *.egg-info .pytest_cache build dist
+	rm -rf .venv .venv-torch* $(CLIENTS_VENV) $(OWN_VENV_CLIENTS:%=.venv-%) *.egg-info .pytest_cache build dist
