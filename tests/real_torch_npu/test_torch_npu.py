@@ -174,3 +174,11 @@ def test_the_simulated_npu_runs_a_cuda_trainer_as_the_real_torch_npu_does(comm):
         assert first_error(real.stderr) == first_error(simulated.stderr), (real.stderr[-2000:],
                                                                            simulated.stderr[-2000:])
         assert NO_CUDA_BINDINGS in real.stderr or "Found no NVIDIA driver" in real.stderr
+
+
+def test_calls_that_do_not_match_end_every_rank_with_an_error_within_the_timeout():
+    started = time.monotonic()
+    run = torchrun(HERE / "mismatched_calls.py", comm=False)
+    assert run.returncode != 0 and "still running" not in run.stdout, run.stdout
+    assert "called different collectives" in run.stderr, run.stderr[-3000:]
+    assert time.monotonic() - started < 60

@@ -46,11 +46,28 @@ constexpr size_t kWindowBytes = size_t{16} << 30;  // sparse: only what a collec
 constexpr size_t kMetaBytes = 2 * kMaxRanks * sizeof(uint64_t);
 constexpr size_t kRingBytes = size_t{4} << 20;
 
+// What a rank calls, compared across the ranks at the collective's first barrier: HCCL's ranks must
+// call the same collective with the same count, dtype, reduction and root (a count of 0 for the
+// calls whose counts differ by rank).
+struct Call {
+  int32_t kind, type, op, root;
+  uint64_t count;
+  bool operator==(const Call& o) const {
+    return kind == o.kind && type == o.type && op == o.op && root == o.root && count == o.count;
+  }
+};
+
+enum Kind : int32_t {
+  kAllReduceCall = 1, kReduceCall, kBroadcastCall, kAllGatherCall, kAllGatherVCall, kReduceScatterCall,
+  kReduceScatterVCall, kScatterCall, kAlltoAllCall, kBarrierCall,
+};
+
 struct Header {
   std::atomic<uint32_t> attached;
   std::atomic<uint32_t> mapped;
   std::atomic<int32_t> pids[kMaxRanks];
   std::atomic<uint64_t> arrived[kMaxRanks];
+  Call calls[kMaxRanks];  // each rank's current collective, read by the others after the first barrier
 };
 
 struct Ring {
@@ -141,6 +158,9 @@ class Comm {
   }
   // Every rank has reached this point, or an error when a peer died or the timeout passed.
   HcclResult barrier();
+  // The first barrier of a collective: every rank there, calling the same collective, or an error
+  // (HCCL_E_PARA) on every rank, where HCCL would wait for a matching call until its timeout.
+  HcclResult meet(const Call& call);
 
   HcclResult send(const void* data, size_t bytes, uint32_t peer);
   HcclResult recv(void* data, size_t bytes, uint32_t peer);
@@ -253,6 +273,22 @@ HcclResult Comm::barrier() {
         return true;
       },
       -1);
+}
+
+HcclResult Comm::meet(const Call& call) {
+  header_->calls[rank_] = call;
+  if (HcclResult r = barrier()) return r;
+  for (uint32_t r = 0; r < nranks_; ++r) {
+    const Call& other = header_->calls[r];
+    if (other == call) continue;
+    set_error("HCCL: the ranks of communicator " + token_ + " called different collectives: rank " +
+              std::to_string(rank_) + " kind " + std::to_string(call.kind) + " of " + std::to_string(call.count) +
+              " (dtype " + std::to_string(call.type) + ", root " + std::to_string(call.root) + "), rank " +
+              std::to_string(r) + " kind " + std::to_string(other.kind) + " of " + std::to_string(other.count) +
+              " (dtype " + std::to_string(other.type) + ", root " + std::to_string(other.root) + ")");
+    return kParameter;
+  }
+  return kOk;
 }
 
 Ring* Comm::ring(uint32_t from, uint32_t to) {
@@ -457,7 +493,7 @@ int HcclAllReduce(void* send, void* recv, uint64_t count, int type, int op, Hccl
   if (HcclResult bad = check(comm, type, true, op)) return bad;
   static_cast<Comm*>(comm)->issue(stream, [=](Comm& c) -> HcclResult {
     if (HcclResult r = c.publish(send, bytes_of(count, type))) return r;
-    if (HcclResult r = c.barrier()) return r;
+    if (HcclResult r = c.meet({kAllReduceCall, type, op, 0, count})) return r;
     at::Tensor result = reduce_windows(c, 0, count, type_of(type), op);
     if (HcclResult r = c.barrier()) return r;
     view(recv, count, type_of(type)).copy_(result);
@@ -471,7 +507,7 @@ int HcclReduce(void* send, void* recv, uint64_t count, int type, int op, uint32_
   if (HcclResult bad = check(comm, type, true, op)) return bad;
   static_cast<Comm*>(comm)->issue(stream, [=](Comm& c) -> HcclResult {
     if (HcclResult r = c.publish(send, bytes_of(count, type))) return r;
-    if (HcclResult r = c.barrier()) return r;
+    if (HcclResult r = c.meet({kReduceCall, type, op, static_cast<int32_t>(root), count})) return r;
     at::Tensor result;
     if (c.rank() == root) result = reduce_windows(c, 0, count, type_of(type), op);
     if (HcclResult r = c.barrier()) return r;
@@ -487,7 +523,7 @@ int HcclBroadcast(void* buf, uint64_t count, int type, uint32_t root, HcclComm c
     size_t bytes = bytes_of(count, type);
     if (c.rank() == root)
       if (HcclResult r = c.publish(buf, bytes)) return r;
-    if (HcclResult r = c.barrier()) return r;
+    if (HcclResult r = c.meet({kBroadcastCall, type, 0, static_cast<int32_t>(root), count})) return r;
     if (c.rank() != root && bytes > 0) std::memcpy(buf, c.window(root), bytes);
     return c.barrier();
   });
@@ -499,7 +535,7 @@ int HcclAllGather(void* send, void* recv, uint64_t count, int type, HcclComm com
   static_cast<Comm*>(comm)->issue(stream, [=](Comm& c) -> HcclResult {
     size_t bytes = bytes_of(count, type);
     if (HcclResult r = c.publish(send, bytes)) return r;
-    if (HcclResult r = c.barrier()) return r;
+    if (HcclResult r = c.meet({kAllGatherCall, type, 0, 0, count})) return r;
     for (uint32_t r = 0; r < c.nranks() && bytes > 0; ++r)
       std::memcpy(static_cast<char*>(recv) + r * bytes, c.window(r), bytes);
     return c.barrier();
@@ -515,7 +551,7 @@ int HcclAllGatherV(void* send, uint64_t count, void* recv, const void* recvCount
   std::vector<uint64_t> displs(static_cast<const uint64_t*>(recvDispls), static_cast<const uint64_t*>(recvDispls) + n);
   static_cast<Comm*>(comm)->issue(stream, [=](Comm& c) -> HcclResult {
     if (HcclResult r = c.publish(send, bytes_of(count, type))) return r;
-    if (HcclResult r = c.barrier()) return r;
+    if (HcclResult r = c.meet({kAllGatherVCall, type, 0, 0, 0})) return r;
     for (uint32_t r = 0; r < c.nranks(); ++r)
       std::memcpy(static_cast<char*>(recv) + bytes_of(displs[r], type), c.window(r), bytes_of(counts[r], type));
     return c.barrier();
@@ -527,7 +563,7 @@ int HcclReduceScatter(void* send, void* recv, uint64_t count, int type, int op, 
   if (HcclResult bad = check(comm, type, true, op)) return bad;
   static_cast<Comm*>(comm)->issue(stream, [=](Comm& c) -> HcclResult {
     if (HcclResult r = c.publish(send, bytes_of(count * c.nranks(), type))) return r;
-    if (HcclResult r = c.barrier()) return r;
+    if (HcclResult r = c.meet({kReduceScatterCall, type, op, 0, count})) return r;
     at::Tensor result = reduce_windows(c, count * c.rank(), count, type_of(type), op);
     if (HcclResult r = c.barrier()) return r;
     view(recv, count, type_of(type)).copy_(result);
@@ -547,7 +583,7 @@ int HcclReduceScatterV(void* send, const void* sendCounts, const void* sendDispl
     for (uint32_t r = 0; r < n; ++r) extent = std::max(extent, displs[r] + counts[r]);
     if (HcclResult r = c.publish(send, bytes_of(extent, type))) return r;
     std::memcpy(c.meta(c.rank()), displs.data(), n * sizeof(uint64_t));
-    if (HcclResult r = c.barrier()) return r;
+    if (HcclResult r = c.meet({kReduceScatterVCall, type, op, 0, 0})) return r;
     std::vector<uint64_t> offsets(n);
     for (uint32_t r = 0; r < n; ++r) offsets[r] = c.meta(r)[c.rank()];
     at::Tensor result = reduce_windows(c, 0, count, type_of(type), op, &offsets);
@@ -564,7 +600,7 @@ int HcclScatter(void* send, void* recv, uint64_t count, int type, uint32_t root,
     size_t bytes = bytes_of(count, type);
     if (c.rank() == root)
       if (HcclResult r = c.publish(send, bytes * c.nranks())) return r;
-    if (HcclResult r = c.barrier()) return r;
+    if (HcclResult r = c.meet({kScatterCall, type, 0, static_cast<int32_t>(root), count})) return r;
     if (bytes > 0) std::memcpy(recv, c.window(root) + bytes * c.rank(), bytes);
     return c.barrier();
   });
@@ -582,7 +618,7 @@ static int alltoallv(const void* send, std::vector<uint64_t> sendCounts, std::ve
     for (uint32_t r = 0; r < n; ++r) extent = std::max(extent, sdispls[r] + sendCounts[r]);
     if (HcclResult r = c.publish(send, bytes_of(extent, sendType))) return r;
     std::memcpy(c.meta(c.rank()), sdispls.data(), n * sizeof(uint64_t));
-    if (HcclResult r = c.barrier()) return r;
+    if (HcclResult r = c.meet({kAlltoAllCall, sendType, 0, 0, 0})) return r;
     for (uint32_t r = 0; r < n; ++r)
       std::memcpy(static_cast<char*>(const_cast<void*>(recv)) + bytes_of(rdispls[r], sendType),
                   c.window(r) + bytes_of(c.meta(r)[c.rank()], sendType), bytes_of(recvCounts[r], sendType));
@@ -634,7 +670,7 @@ int HcclAlltoAllVC(const void* send, const void* sendCountMatrix, int sendType, 
 int HcclBarrier(HcclComm comm, aclrtStream stream) {
   if (comm == nullptr) return kPointer;
   static_cast<Comm*>(comm)->issue(stream, [](Comm& c) -> HcclResult {
-    if (HcclResult r = c.barrier()) return r;
+    if (HcclResult r = c.meet({kBarrierCall, 0, 0, 0, 0})) return r;
     return c.barrier();
   });
   return kOk;
