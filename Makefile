@@ -129,6 +129,7 @@ $(VENV)/.torch-npu-installed: $(VENV)/.installed
 ON_REAL_TORCH_NPU_ONLY := not (synchronises or get_future or pipelined or goes_to_a_backend or is_staged_onto_hccl)
 
 test-torch-npu: $(if $(filter $(TORCH),$(PINNED_TORCH)),.venv-torch-npu/.installed,$(VENV)/.torch-npu-installed)
+	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(TORCH_NPU_VENV)/bin/python -m comm.build --simulated
 	TORCH_DEVICE_BACKEND_AUTOLOAD=0 $(TORCH_NPU_VENV)/bin/python -m pytest -p no:xdist -q -rfEs tests/real_torch_npu \
 		$(TORCH_NPU_TESTS)
 	$(TORCH_NPU_VENV)/bin/python -m comm.testing.cann -m pytest -p no:xdist -q tests/test_hccl_staging.py \
