@@ -47,8 +47,9 @@ def build_folder() -> Path:
     env.pop(SIMULATE, None)
     result = subprocess.run([sys.executable, "-c", "from comm.testing.cann import build; print(build())"],
                             env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"comm: cannot build the fake CANN:\n{result.stderr.strip()}")
+    if result.returncode != 0:  # the builder's last line says why (what to install, or the compiler's failure)
+        lines = result.stderr.strip().splitlines() or ["no reason given"]
+        raise SystemExit(f"comm: cannot run on the fake CANN: {lines[-1]}")
     return Path(result.stdout.strip().splitlines()[-1])
 
 
