@@ -21,10 +21,9 @@
 #include <tuple>
 #include <vector>
 
-namespace fake_cann {
-namespace {
-
 using aclDataType = int;
+
+namespace fake_cann {
 
 // aclDataType (acl_base.h) to torch's dtypes.
 at::ScalarType to_scalar_type(aclDataType type) {
@@ -48,7 +47,6 @@ at::ScalarType to_scalar_type(aclDataType type) {
   }
 }
 
-}  // namespace
 }  // namespace fake_cann
 
 using namespace fake_cann;

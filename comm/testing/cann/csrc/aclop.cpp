@@ -35,21 +35,8 @@ bool same_layout(const aclTensorDesc* a, const aclTensorDesc* b) {
   return a != nullptr && b != nullptr && a->dtype == b->dtype && a->dims == b->dims && a->format == b->format;
 }
 
-at::ScalarType scalar_type(int acl) {
-  switch (acl) {
-    case 0: return at::kFloat;
-    case 1: return at::kHalf;
-    case 2: return at::kChar;
-    case 3: return at::kInt;
-    case 4: return at::kByte;
-    case 9: return at::kLong;
-    case 27: return at::kBFloat16;
-    default: return at::kDouble;
-  }
-}
-
 at::Tensor on(const aclDataBuffer* buffer, const aclTensorDesc* desc) {
-  return at::from_blob(buffer->data, desc->dims, at::TensorOptions().dtype(scalar_type(desc->dtype)));
+  return at::from_blob(buffer->data, desc->dims, at::TensorOptions().dtype(to_scalar_type(desc->dtype)));
 }
 
 // A matrix [..., M, N] of a base format seen as FRACTAL_NZ's blocks [..., N1, M1, m0, n0] (a 1-D

@@ -21,6 +21,8 @@
 #include <string>
 #include <thread>
 
+#include <c10/core/ScalarType.h>
+
 namespace fake_cann {
 
 using aclError = int;
@@ -62,6 +64,9 @@ class Stream {
   bool stopping_ = false;
   std::thread worker_;
 };
+
+// torch's dtype for an aclDataType (acl_base.h); an error for one torch has no dtype for (aclnn.cpp).
+c10::ScalarType to_scalar_type(int type);
 
 // The stream a call names: nullptr is the current device's default stream.
 Stream* stream_of(void* handle);
