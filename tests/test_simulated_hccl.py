@@ -1,8 +1,7 @@
 """The simulated hccl follows torch_npu's ProcessGroupHCCL, one test per rule.
 
 Each rule cites what it mirrors in torch_npu 2.13 / 2.9.1 (Ascend/pytorch master and
-v2.9.0-26.0.0, ``torch_npu/csrc/distributed/``; the findings are in
-``../shared/reference/torch-npu-reality.md``). The calls run on NPU tensors on two
+v2.9.0-26.0.0, ``torch_npu/csrc/distributed/``). The calls run on NPU tensors on two
 simulated NPUs, where the group's own (simulated) hccl serves them: comm is not involved.
 One scenario per simulation records every rule's outcome; each test reads its own.
 """

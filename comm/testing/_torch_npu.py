@@ -76,7 +76,7 @@ def apply_patches() -> None:
     place is a function of its own that calls torch's function (found under any
     stand-in that names what it wraps, as ``functools.wraps`` does), never the stand-in:
     what was in place is lost, as with the real one. What is replaced, with where
-    torch_npu does it (../shared/reference/torch-npu-reality.md, section 2):
+    torch_npu does it (Ascend/pytorch, the torch_npu 2.13.0 and 2.9.1 wheels' Python sources):
 
     * ``distributed_c10d._new_process_group_helper``: a full copy of torch's
       (2.13 ``_compat/distributed.py:205-529``; 2.9.1 ``distributed/distributed_c10d.py:409-711``);

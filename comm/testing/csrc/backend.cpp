@@ -335,8 +335,7 @@ class SelfMessage final : public c10d::Work {
 
 // HCCL's rules, as torch_npu's ProcessGroupHCCL applies them (torch_npu 2.13 and 2.9.1;
 // sources read: Ascend/pytorch master and v2.9.0-26.0.0, torch_npu/csrc/distributed/,
-// cited "master:" and "2.9.1:" below; ../shared/reference/torch-npu-reality.md has the
-// findings). A simulation made `lenient` skips them all and runs what gloo runs.
+// cited "master:" and "2.9.1:" below). A simulation made `lenient` skips them all and runs what gloo runs.
 namespace hccl {
 
 // getHcclDataType's table: a dtype outside it fails every collective
@@ -846,8 +845,7 @@ class SimulatedBackend final : public c10d::Backend {
   // Communicator memory. HCCL makes a group's communicator at its first collective, with a
   // buffer of HCCL_BUFFSIZE MB (200 by default), and one communicator per point-to-point
   // peer with 2 x P2P_HCCL_BUFFSIZE MB (20 by default): torch_npu docs, environment_variable/
-  // collective_communication/P2P_HCCL_BUFFSIZE.md; ../shared/reference/torch-npu-reality.md
-  // finding 7. HCCL allocates it outside torch_npu's caching allocator: mem_get_info sees
+  // collective_communication/P2P_HCCL_BUFFSIZE.md (Ascend/pytorch docs/zh/api/). HCCL allocates it outside torch_npu's caching allocator: mem_get_info sees
   // it, memory_reserved does not.
   void charge(c10::DeviceIndex index, const std::string& key, int64_t megabytes) {
     std::lock_guard<std::mutex> lock(mutex_);
