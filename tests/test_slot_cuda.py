@@ -153,3 +153,13 @@ def test_get_future_of_a_staged_call_does_not_block(nccl_group):
           f"{(returned - issued) * 1e3:.2f} ms, the future completed after {(done - start) * 1e3:.1f} ms")
     assert result is host and torch.equal(host[:4], torch.ones(4))
     assert returned - issued < 0.1 * (done - start)
+
+
+def test_is_completed_of_a_staged_call_on_nccl(nccl_group):
+    """Polling is_completed() ends with the result written back (NCCL's own isSuccess() raises; comm must not ask it)."""
+    comm.equip()
+    host = torch.arange(1 << 20, dtype=torch.float32)
+    work = dist.all_reduce(host, async_op=True)
+    while not work.is_completed():
+        time.sleep(0.001)
+    assert torch.equal(host, torch.arange(1 << 20, dtype=torch.float32) * dist.get_world_size())

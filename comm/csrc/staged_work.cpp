@@ -163,7 +163,9 @@ bool StagedWork::isCompleted() {
   for (auto& work : inner_) {
     if (!work->isCompleted()) return false;
   }
-  if (isSuccess()) writeAll();
+  // exception(), not isSuccess(): NCCL's isSuccess() throws that it is deprecated
+  // (torch's ProcessGroupNCCL.cpp, WorkNCCL::isSuccess); every work has set its error by now.
+  if (exception() == nullptr) writeAll();
   return true;
 }
 
