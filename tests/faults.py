@@ -66,7 +66,8 @@ def _error_problems(label: str, mode: str, error: RuntimeError) -> List[str]:
 
 # Each scenario: what rank 0 issues while rank 1, in the group, stays away. "served" runs the call on
 # the group's own device (the oracle, torch alone); the others stage it under comm.
-LATE_PEER_SCENARIOS = ("served", "staged", "staged_from_thread", "float64")
+# "served_send" and "staged_send" are a send to the late peer in place of the all-reduce.
+LATE_PEER_SCENARIOS = ("served", "staged", "staged_from_thread", "float64", "served_send", "staged_send")
 
 
 def late_peer_rank(rank: int, store: str, backend: str, scenario: str, pg_timeout: float, late: float) -> None:
@@ -89,12 +90,16 @@ def late_peer_rank(rank: int, store: str, backend: str, scenario: str, pg_timeou
     served = "cpu" if backend == "gloo" else f"npu:{rank}"
     staged = f"npu:{rank}" if backend == "gloo" else "cpu"
     dtype = torch.float64 if scenario == "float64" else torch.float32
-    tensor = torch.ones(4, dtype=dtype, device=served if scenario == "served" else staged)
+    tensor = torch.ones(4, dtype=dtype, device=served if scenario.startswith("served") else staged)
     outcome: List[str] = []
 
     def call() -> None:
         try:
-            dist.all_reduce(tensor)
+            if scenario.endswith("send"):
+                dist.send(tensor, dst=1)
+                torch.accelerator.synchronize()  # a sender reads nothing back: its host waits for the device
+            else:
+                dist.all_reduce(tensor)
             tensor.cpu()  # the host waits for the collective, as a caller reading its result does
             outcome.append("returned")
         except Exception as error:  # noqa: BLE001 - reported to the parent

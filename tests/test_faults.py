@@ -67,13 +67,14 @@ LATE_TIMEOUT, LATE, SLACK = 5.0, 30.0, 4.0
 
 @pytest.mark.integration
 @pytest.mark.parametrize("backend,scenario", [("hccl", "staged_from_thread"), ("hccl", "float64"),
-                                              ("gloo", "staged_from_thread")])
+                                              ("gloo", "staged_from_thread"), ("hccl", "staged_send"),
+                                              ("gloo", "staged_send")])
 def test_a_late_peer_ends_a_staged_call_within_the_groups_timeout(backend, scenario):
-    """Staged from another thread (comm's communicator of the group's kind) or as float64 on hccl (comm's gloo
-    communicator), rank 0 ends within the group's timeout as the served call does (the oracle: on hccl the
-    watchdog tears the process down, on gloo the call raises). Before, comm's communicators took torch's
-    default of 30 minutes."""
-    served = late_peer(backend, "served", LATE_TIMEOUT, LATE)
+    """Staged from another thread (comm's communicator of the group's kind), as float64 on hccl (comm's gloo
+    communicator) or as a send (p2p), rank 0 ends within the group's timeout as the served call does (the oracle:
+    on hccl the watchdog tears the process down, on gloo the call raises). Before, comm's communicators took
+    torch's default of 30 minutes."""
+    served = late_peer(backend, "served_send" if scenario.endswith("send") else "served", LATE_TIMEOUT, LATE)
     staged = late_peer(backend, scenario, LATE_TIMEOUT, LATE)
     assert served["seconds"] < LATE_TIMEOUT + SLACK, served
     assert staged["seconds"] < LATE_TIMEOUT + SLACK, staged

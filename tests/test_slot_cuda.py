@@ -156,7 +156,7 @@ def test_get_future_of_a_staged_call_does_not_block(nccl_group):
 
 
 def test_is_completed_of_a_staged_call_on_nccl(nccl_group):
-    """Polling is_completed() ends with the result written back (NCCL's own isSuccess() raises; comm must not ask it)."""
+    """Polling is_completed() ends with the result written back (NCCL's isSuccess() raises: comm must not ask it)."""
     comm.equip()
     host = torch.arange(1 << 20, dtype=torch.float32)
     work = dist.all_reduce(host, async_op=True)
