@@ -47,9 +47,10 @@ def build_folder() -> Path:
     env.pop(SIMULATE, None)
     result = subprocess.run([sys.executable, "-c", "from comm.testing.cann import build; print(build())"],
                             env=env, capture_output=True, text=True)
-    if result.returncode != 0:  # the builder's last line says why (what to install, or the compiler's failure)
+    if result.returncode != 0:  # the compiler's first error, or else the builder's last line (what to install)
         lines = result.stderr.strip().splitlines() or ["no reason given"]
-        raise SystemExit(f"comm: cannot run on the fake CANN: {lines[-1]}")
+        errors = [line for line in lines if "error:" in line]
+        raise SystemExit(f"comm: cannot run on the fake CANN: {(errors or lines)[-1 if not errors else 0]}")
     return Path(result.stdout.strip().splitlines()[-1])
 
 

@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -23,7 +24,9 @@ struct aclDataBuffer {
   void* data;
   size_t size;
 };
-struct aclopAttr {};  // the operators below take no attribute
+struct aclopAttr {
+  std::map<std::string, int64_t> ints;  // the integer attributes, the only kind the operators below read
+};
 
 namespace {
 
@@ -88,6 +91,33 @@ std::function<void()> identity(const aclTensorDesc* in_desc, const aclDataBuffer
   return nullptr;
 }
 
+// What ConcatD writes: its inputs x0 .. x{N-1}, all of one dtype and base formats, joined
+// along the attribute concat_dim (already wrapped to >= 0) into its output, as op-plugin's
+// cat_output_nocheck asks (Ascend/op-plugin at 0c14e042603e393b7ac541a6cafee9aa954efa85,
+// op_plugin/ops/aclops/CatKernelNpu.cpp); nullptr for what it cannot do.
+std::function<void()> concat(int count, const aclTensorDesc* const in_desc[], const aclDataBuffer* const in[],
+                             const aclTensorDesc* out_desc, const aclDataBuffer* out, const aclopAttr* attr) {
+  if (attr == nullptr || attr->ints.count("concat_dim") == 0 || out_desc == nullptr || !base_format(out_desc->format))
+    return nullptr;
+  std::vector<aclTensorDesc> descs;
+  std::vector<aclDataBuffer> buffers;
+  for (int i = 0; i < count; ++i) {
+    if (in_desc[i] == nullptr || in_desc[i]->dtype != out_desc->dtype || !base_format(in_desc[i]->format))
+      return nullptr;
+    descs.push_back(*in_desc[i]);
+    buffers.push_back(*in[i]);
+  }
+  aclTensorDesc dst = *out_desc;
+  aclDataBuffer to = *out;
+  int64_t dim = attr->ints.at("concat_dim");
+  return [descs, buffers, dst, to, dim] {
+    std::vector<at::Tensor> parts;
+    for (size_t i = 0; i < descs.size(); ++i) parts.push_back(on(&buffers[i], &descs[i]));
+    at::Tensor joined = on(&to, &dst);
+    at::cat_out(joined, parts, dim);
+  };
+}
+
 }  // namespace
 
 extern "C" {
@@ -125,7 +155,10 @@ aclopAttr* aclopCreateAttr() { return new aclopAttr(); }
 void aclopDestroyAttr(const aclopAttr* attr) { delete attr; }
 int aclopSetAttrString(aclopAttr*, const char*, const char*) { return kSuccess; }
 int aclopSetAttrBool(aclopAttr*, const char*, uint8_t) { return kSuccess; }
-int aclopSetAttrInt(aclopAttr*, const char*, int64_t) { return kSuccess; }
+int aclopSetAttrInt(aclopAttr* attr, const char* name, int64_t value) {
+  attr->ints[name] = value;
+  return kSuccess;
+}
 int aclopSetAttrFloat(aclopAttr*, const char*, float) { return kSuccess; }
 int aclopSetAttrDataType(aclopAttr*, const char*, int) { return kSuccess; }
 int aclopSetAttrListBool(aclopAttr*, const char*, int, const uint8_t*) { return kSuccess; }
@@ -133,14 +166,16 @@ int aclopSetAttrListInt(aclopAttr*, const char*, int, const int64_t*) { return k
 int aclopSetAttrListFloat(aclopAttr*, const char*, int, const float*) { return kSuccess; }
 int aclopSetAttrListListInt(aclopAttr*, const char*, int, const int*, const int64_t* const[]) { return kSuccess; }
 
-// Identity runs (see identity above); every other operator fails with its name.
+// Identity and ConcatD run (see identity and concat above); every other operator fails with its name.
 int aclopCompileAndExecute(const char* opType, int numInputs, const aclTensorDesc* const inputDesc[],
                            const aclDataBuffer* const inputs[], int numOutputs, const aclTensorDesc* const outputDesc[],
-                           aclDataBuffer* const outputs[], const aclopAttr*, int, int, const char*, void* stream) {
+                           aclDataBuffer* const outputs[], const aclopAttr* attr, int, int, const char*, void* stream) {
   std::string name = opType == nullptr ? "" : opType;
   std::function<void()> run;
   if (name == "Identity" && numInputs == 1 && numOutputs == 1)
     run = identity(inputDesc[0], inputs[0], outputDesc[0], outputs[0]);
+  if (name == "ConcatD" && numInputs >= 1 && numOutputs == 1)
+    run = concat(numInputs, inputDesc, inputs, outputDesc[0], outputs[0], attr);
   if (run) {
     stream_of(stream)->enqueue([run] {
       c10::InferenceMode no_autograd;
