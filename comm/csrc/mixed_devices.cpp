@@ -94,8 +94,12 @@ class Copies {
   std::shared_ptr<WriteBack> writeBack(const std::string& name) {
     std::string what = c10::str("comm staged ", name, ": the tensors not on ", target_.str(),
                                 "; the caller's tensors were not written");
+    Tensors held;
+    for (const auto& copy : callers_) {
+      if (!copy.first.device().is_cpu()) held.push_back(copy.first);
+    }
     return std::make_shared<WriteBack>(name, [what = std::move(what)] { return what; }, std::move(pieces_),
-                                       std::move(written_), 1);
+                                       std::move(written_), 1, std::move(held));
   }
 
  private:

@@ -76,7 +76,7 @@ at::Tensor copyOnto(const at::Tensor& tensor, at::Device target) {
 at::Tensor StagedCall::in(const at::Tensor& tensor) {
   RECORD_FUNCTION("comm.stage_in", std::vector<c10::IValue>());
   auto start = nowNs();
-  auto staged = copyOnto(tensor, target_);
+  auto staged = hold(copyOnto(tensor, target_));
   copied_.nanoseconds += nowNs() - start;
   copied_.transfers += 1;
   copied_.bytes += static_cast<int64_t>(tensor.nbytes());
@@ -101,7 +101,7 @@ Tensors StagedCall::inReported(const Tensors& list) {
 }
 
 at::Tensor StagedCall::buffer(const at::Tensor& tensor, bool reads) {
-  auto staged = reads ? in(tensor) : at::empty(tensor.sizes(), tensor.options().device(target_));
+  auto staged = reads ? in(tensor) : hold(at::empty(tensor.sizes(), tensor.options().device(target_)));
   pieces_.push_back(Piece{{tensor}, staged, reads});
   results_.push_back(tensor);
   noteSource(tensor);
@@ -129,7 +129,7 @@ Tensors StagedCall::inOut(const Tensors& list) {
 }
 
 at::Tensor StagedCall::flat(const Tensors& list, bool reads) {
-  auto staged = reads ? in(joined(list)) : at::empty({total(list)}, list.front().options().device(target_));
+  auto staged = reads ? in(joined(list)) : hold(at::empty({total(list)}, list.front().options().device(target_)));
   pieces_.push_back(Piece{list, staged, reads});
   results_.insert(results_.end(), list.begin(), list.end());
   noteSource(list.front());
@@ -199,7 +199,13 @@ std::shared_ptr<WriteBack> StagedCall::writeBack() {
   auto what = [name = name_, copied = copied_, source = source_, target = target_] {
     return describe(name, copied, source, target);
   };
-  return std::make_shared<WriteBack>(name_, what, std::move(pieces_), std::move(results_), divisor_);
+  return std::make_shared<WriteBack>(name_, what, std::move(pieces_), std::move(results_), divisor_,
+                                     std::move(held_));
+}
+
+at::Tensor StagedCall::hold(at::Tensor buffer) {
+  if (!buffer.device().is_cpu()) held_.push_back(buffer);
+  return buffer;
 }
 
 void StagedCall::issued() {

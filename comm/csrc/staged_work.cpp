@@ -34,9 +34,9 @@ WorkPtr doneWork() {
 }
 
 WriteBack::WriteBack(std::string name, std::function<std::string()> what, std::vector<Piece> pieces, Tensors results,
-                     int64_t divisor)
+                     int64_t divisor, Tensors held)
     : name_(std::move(name)), what_(std::move(what)), pieces_(std::move(pieces)), writes_(!pieces_.empty()),
-      results_(std::move(results)), divisor_(divisor) {}
+      results_(std::move(results)), divisor_(divisor), held_(std::move(held)) {}
 
 namespace {
 
@@ -121,6 +121,17 @@ void WriteBack::land(bool failed) {
   });
 }
 
+void WriteBack::release(bool recorded) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (recorded) {
+    for (const auto& buffer : held_) {
+      const auto* impl = c10::impl::getDeviceGuardImpl(buffer.device().type());
+      impl->recordDataPtrOnStream(buffer.storage().data_ptr(), impl->getStream(buffer.device()));
+    }
+  }
+  held_.clear();
+}
+
 void rethrowStaged(const std::string& what) {
   try {
     throw;
@@ -166,6 +177,7 @@ bool StagedWork::isCompleted() {
   // exception(), not isSuccess(): NCCL's isSuccess() throws that it is deprecated
   // (torch's ProcessGroupNCCL.cpp, WorkNCCL::isSuccess); every work has set its error by now.
   if (exception() == nullptr) writeAll();
+  for (auto& back : backs_) back->release(/*recorded=*/false); // the collectives are done with them
   return true;
 }
 
@@ -210,6 +222,7 @@ void StagedWork::synchronize() {
     }
     work->synchronize();
   }
+  for (auto& back : backs_) back->release(/*recorded=*/true); // on stream_, which now waits for the collectives
 }
 
 bool StagedWork::wait(std::chrono::milliseconds timeout) {
@@ -233,6 +246,7 @@ bool StagedWork::wait(std::chrono::milliseconds timeout) {
     if (paired) backs_[i]->copyBack();
   }
   writeAll();
+  for (auto& back : backs_) back->release(/*recorded=*/true); // on stream_, which now waits for the collectives
   return true;
 }
 

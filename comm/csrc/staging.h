@@ -85,8 +85,9 @@ class WriteBack {
  public:
   // `results`: the caller's tensors the work reports as its result (torch's: the outputs).
   // `what`: says what was staged, for an error raised by the collective (made only then).
+  // `held`: every device buffer the call made, kept until release().
   WriteBack(std::string name, std::function<std::string()> what, std::vector<Piece> pieces, Tensors results,
-            int64_t divisor);
+            int64_t divisor, Tensors held);
 
   void copyBack();
   // The host waits for copyBack's copies, unless `covered` (copies queued later on the same
@@ -96,6 +97,13 @@ class WriteBack {
   // read land, which hold what the served collective leaves in its tensors.
   void land(bool failed);
   const Tensors& results() const { return results_; }
+  // Gives the call's device buffers back to the allocator, recorded on the current stream of
+  // their device where `recorded`: the stream that now waits for the collective. A
+  // communicator need not keep a synchronous call's buffers (ProcessGroupNCCL and
+  // ProcessGroupHCCL rely on the issuing stream waiting for the collective), and comm's
+  // waits run on its own stream: freed earlier, a buffer could be reused on the issuing
+  // stream while the collective still reads or writes it.
+  void release(bool recorded);
   // Says what was staged, for an error raised by the collective.
   std::string what() const { return what_(); }
 
@@ -112,6 +120,7 @@ class WriteBack {
   std::vector<at::Tensor> landed_; // pinned host buffers the results come back into
   std::optional<c10::Event> copied_; // recorded after the copies back, where there are any
   std::once_flag landOnce_;
+  Tensors held_; // the device buffers, until release()
 };
 
 // The work of a staged call: the group backend's works on the copies, completed by
@@ -216,6 +225,8 @@ class StagedCall {
  private:
   at::Tensor buffer(const at::Tensor& tensor, bool reads);
   void noteSource(const at::Tensor& tensor);
+  // `buffer`, kept for the write-back to hold where it is on a device.
+  at::Tensor hold(at::Tensor buffer);
 
   // Staging is the collective's own work, below autograd as torch's backends write:
   // no graph for the copies, no version bump, inference tensors included.
@@ -229,6 +240,7 @@ class StagedCall {
   int64_t divisor_ = 1;
   Tally copied_;
   std::optional<at::Device> source_;
+  Tensors held_; // every device buffer made, for the write-back to hold (WriteBack::release)
 };
 
 // ---- staging_backend.cpp and calls.cpp: the backend.

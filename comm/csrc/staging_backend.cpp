@@ -242,7 +242,7 @@ WorkPtr StagingBackend::endCoalescing() {
   }
   if (block.backs.empty()) {
     block.backs.push_back(std::make_shared<WriteBack>(
-        "coalesced", [] { return std::string("comm staged nothing"); }, std::vector<Piece>{}, Tensors{}, 1));
+        "coalesced", [] { return std::string("comm staged nothing"); }, std::vector<Piece>{}, Tensors{}, 1, Tensors{}));
   }
   return blockWork(std::move(block.works), std::move(block.backs));
 }

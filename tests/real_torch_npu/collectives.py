@@ -60,6 +60,43 @@ def all_gather(device):
     return torch.cat(parts), torch.arange(world, dtype=torch.int32).repeat_interleave(2)
 
 
+def reduce(device):
+    t = torch.full((3,), float(rank + 1), device=device)
+    dist.reduce(t, dst=0)
+    return t, torch.full((3,), float(sum(range(1, world + 1)) if rank == 0 else rank + 1))
+
+
+def gather(device):
+    parts = [torch.empty(2, device=device) for _ in range(world)] if rank == 1 else None
+    mine = torch.full((2,), float(rank), device=device)
+    dist.gather(mine, parts, dst=1)
+    return (torch.cat(parts) if rank == 1 else mine), (torch.arange(world, dtype=torch.float32).repeat_interleave(2)
+                                                        if rank == 1 else torch.full((2,), float(rank)))
+
+
+def scatter(device):
+    out = torch.empty(2, device=device)
+    parts = [torch.full((2,), float(i), device=device) for i in range(world)] if rank == 0 else None
+    dist.scatter(out, parts, src=0)
+    return out, torch.full((2,), float(rank))
+
+
+def all_to_all(device):
+    outs = [torch.empty(2, device=device) for _ in range(world)]
+    dist.all_to_all(outs, [torch.full((2,), float(10 * rank + i), device=device) for i in range(world)])
+    return torch.cat(outs), torch.tensor([10.0 * i + rank for i in range(world) for _ in range(2)])
+
+
+def all_to_all_single(device):
+    # Uneven splits (all_to_all V): rank r sends i + 1 elements to rank i.
+    sends = [i + 1 for i in range(world)]
+    received = [rank + 1] * world
+    out = torch.empty(sum(received), device=device)
+    source = torch.cat([torch.full((i + 1,), float(10 * rank + i)) for i in range(world)]).to(device)
+    dist.all_to_all_single(out, source, output_split_sizes=received, input_split_sizes=sends)
+    return out, torch.cat([torch.full((rank + 1,), float(10 * i + rank)) for i in range(world)])
+
+
 def send_recv(device):
     received = torch.empty(3, device=device)
     ops = [dist.P2POp(dist.isend, torch.full((3,), float(rank), device=device), (rank + 1) % world),
@@ -73,7 +110,8 @@ for device in ("npu", "cpu"):
     for name, call in [("all_reduce", all_reduce), ("broadcast", broadcast),
                        ("all_gather_into_tensor", all_gather_into_tensor),
                        ("reduce_scatter_tensor", reduce_scatter_tensor), ("all_gather", all_gather),
-                       ("send_recv", send_recv)]:
+                       ("reduce", reduce), ("gather", gather), ("scatter", scatter), ("all_to_all", all_to_all),
+                       ("all_to_all_single", all_to_all_single), ("send_recv", send_recv)]:
         check(name, device, call)
 dist.barrier()
 dist.destroy_process_group()
