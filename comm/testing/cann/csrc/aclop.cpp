@@ -17,8 +17,9 @@ using namespace fake_cann;
 
 struct aclTensorDesc {
   int dtype;
-  std::vector<int64_t> dims;
+  std::vector<int64_t> dims;  // as stored: aclSetTensorShape's, where torch_npu sets a private format's
   int format;
+  std::vector<int64_t> origin;  // as created: the logical shape
 };
 struct aclDataBuffer {
   void* data;
@@ -91,19 +92,30 @@ std::function<void()> identity(const aclTensorDesc* in_desc, const aclDataBuffer
   return nullptr;
 }
 
-// What ConcatD writes: its inputs x0 .. x{N-1}, all of one dtype and base formats, joined
-// along the attribute concat_dim (already wrapped to >= 0) into its output, as op-plugin's
-// cat_output_nocheck asks (Ascend/op-plugin at 0c14e042603e393b7ac541a6cafee9aa954efa85,
-// op_plugin/ops/aclops/CatKernelNpu.cpp); nullptr for what it cannot do.
+// Whether a tensor of `desc` can be read or written as its logical shape: a base format, or
+// FRACTAL_NZ (through the conversions above).
+bool convertible(const aclTensorDesc* desc) {
+  return desc != nullptr && (base_format(desc->format) || (desc->format == kFractalNz && desc->dims.size() >= 4));
+}
+
+// A tensor's logical contents (a copy where it is stored as FRACTAL_NZ).
+at::Tensor logical(const aclDataBuffer* buffer, const aclTensorDesc* desc) {
+  if (base_format(desc->format)) return on(buffer, desc);
+  return nd_from_nz(on(buffer, desc), desc->origin);
+}
+
+// What ConcatD writes: its inputs x0 .. x{N-1}, all of one dtype, joined along the attribute
+// concat_dim (already wrapped to >= 0) into its output, as op-plugin's cat_output_nocheck asks
+// (Ascend/op-plugin at 0c14e042603e393b7ac541a6cafee9aa954efa85,
+// op_plugin/ops/aclops/CatKernelNpu.cpp). Tensors in FRACTAL_NZ are joined by their logical
+// shapes, as the runtime's TransData around the operator would; nullptr for what it cannot do.
 std::function<void()> concat(int count, const aclTensorDesc* const in_desc[], const aclDataBuffer* const in[],
                              const aclTensorDesc* out_desc, const aclDataBuffer* out, const aclopAttr* attr) {
-  if (attr == nullptr || attr->ints.count("concat_dim") == 0 || out_desc == nullptr || !base_format(out_desc->format))
-    return nullptr;
+  if (attr == nullptr || attr->ints.count("concat_dim") == 0 || !convertible(out_desc)) return nullptr;
   std::vector<aclTensorDesc> descs;
   std::vector<aclDataBuffer> buffers;
   for (int i = 0; i < count; ++i) {
-    if (in_desc[i] == nullptr || in_desc[i]->dtype != out_desc->dtype || !base_format(in_desc[i]->format))
-      return nullptr;
+    if (!convertible(in_desc[i]) || in_desc[i]->dtype != out_desc->dtype) return nullptr;
     descs.push_back(*in_desc[i]);
     buffers.push_back(*in[i]);
   }
@@ -112,9 +124,10 @@ std::function<void()> concat(int count, const aclTensorDesc* const in_desc[], co
   int64_t dim = attr->ints.at("concat_dim");
   return [descs, buffers, dst, to, dim] {
     std::vector<at::Tensor> parts;
-    for (size_t i = 0; i < descs.size(); ++i) parts.push_back(on(&buffers[i], &descs[i]));
-    at::Tensor joined = on(&to, &dst);
-    at::cat_out(joined, parts, dim);
+    for (size_t i = 0; i < descs.size(); ++i) parts.push_back(logical(&buffers[i], &descs[i]));
+    at::Tensor joined = at::cat(parts, dim);
+    at::Tensor target = on(&to, &dst);
+    target.copy_(base_format(dst.format) ? joined.reshape(dst.dims) : nz_from_nd(joined, dst.dims));
   };
 }
 
@@ -123,7 +136,8 @@ std::function<void()> concat(int count, const aclTensorDesc* const in_desc[], co
 extern "C" {
 
 aclTensorDesc* aclCreateTensorDesc(int dtype, int numDims, const int64_t* dims, int format) {
-  return new aclTensorDesc{dtype, std::vector<int64_t>(dims, dims + std::max(numDims, 0)), format};
+  std::vector<int64_t> shape(dims, dims + std::max(numDims, 0));
+  return new aclTensorDesc{dtype, shape, format, shape};
 }
 void aclDestroyTensorDesc(const aclTensorDesc* desc) { delete desc; }
 int aclSetTensorFormat(aclTensorDesc* desc, int format) {
