@@ -306,7 +306,11 @@ def initial_values(case: Case, me: int) -> List[torch.Tensor]:
 
 
 def _reduce(values: List[torch.Tensor], op: str, dtype: str) -> torch.Tensor:
-    """``op`` over one tensor per rank, computed exactly; bool as the backends reduce it (SUM and MAX: or)."""
+    """``op`` over one tensor per rank, computed exactly; bool as the backends reduce it (SUM and MAX: or).
+
+    The oracle's own reading of the backends, kept apart from comm's (StagedCall::reduceOp, comm/gaps.py) and
+    the simulation's (comm/testing/csrc/backend.cpp) on purpose: a rule read wrong in one of them shows here.
+    """
     stacked = torch.stack([v.long() if v.dtype == torch.bool else v for v in values])
     if op == "SUM":
         result = stacked.sum(0)
@@ -377,7 +381,10 @@ def _on_hccl(case: Case, variant: str) -> bool:
 
 
 def refusal(case: Case, variant: str) -> Optional[str]:
-    """Why ``case`` must be refused when run as ``variant`` ("staged" or "control"), or None when it must run."""
+    """Why ``case`` must be refused when run as ``variant`` ("staged" or "control"), or None when it must run.
+
+    The oracle's own reading (see ``_reduce``): which backend averages integers, what HCCL cannot run.
+    """
     if case.reduce_op == "AVG" and case.dtype in INTEGERS and (
             case.kind != "hccl" or case.dtype == "bool" or gloo_fallback(case)):
         return "AVG of integers where gloo divides in floating point, or of bools (HCCL averages other integers)"

@@ -753,6 +753,8 @@ class SimulatedBackend final : public c10d::Backend {
     if (refused != bitwise.end()) TORCH_CHECK(false, "Cannot use ReduceOp.", refused->second, " with ", upper_);
     switch (op.op_) {
       case c10d::ReduceOp::AVG: {
+        // The simulation's own reading of HCCL, kept apart from comm's (StagedCall::reduceOp,
+        // comm/gaps.py) on purpose, so that a misreading in either shows as a failing test.
         // SUM, then each output divided by the group's size on the device
         // (master:ProcessGroupHCCL.cpp:136-141, 4808-4816). Integers average to integers:
         // Ascend's own tests assert it of int32 and uint8 on every part (test/distributed
