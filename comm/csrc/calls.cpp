@@ -148,7 +148,19 @@ WorkPtr StagingBackend::gather(TensorLists& outputs, Tensors& inputs, const c10d
   return stage("gather", c10d::OpType::GATHER, [&](StagedCall& call) {
     auto in = call.in(inputs);
     auto out = call.out(outputs); // empty except on the root
-    return call.communicator().gather(out, in, opts);
+    try {
+      return call.communicator().gather(out, in, opts);
+    } catch (const std::exception& error) {
+      // ProcessGroupHCCL has no gather and says so at the call, before anything is sent
+      // (the torch-npu 2.13.0 wheel); torch_npu runs dist.gather of NPU tensors as an
+      // all-gather (its torch_npu/distributed/distributed_c10d.py, _gather), and so does comm:
+      // every rank receives every piece, the root's are written back.
+      if (std::string(error.what()).find("does not support gather") == std::string::npos) throw;
+    }
+    TensorLists everyone = out.empty() ? TensorLists{call.scratch(in, getSize())} : out;
+    c10d::AllgatherOptions gathering;
+    gathering.timeout = opts.timeout;
+    return call.communicator().allgather(everyone, in, gathering);
   });
 }
 

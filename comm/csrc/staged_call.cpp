@@ -140,6 +140,13 @@ at::Tensor StagedCall::inFlat(const Tensors& list) {
   return in(joined(list));
 }
 
+Tensors StagedCall::scratch(const Tensors& like, int count) {
+  TORCH_CHECK(like.size() == 1, "comm: one tensor expected, got ", like.size());
+  Tensors buffers;
+  for (int i = 0; i < count; ++i) buffers.push_back(hold(at::empty_like(like.front())));
+  return buffers;
+}
+
 bool StagedCall::flattens(const Tensors& list) {
   if (list.size() < 2) return false;
   for (const auto& tensor : list) {

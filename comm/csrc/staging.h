@@ -203,6 +203,8 @@ class StagedCall {
   at::Tensor flat(const Tensors& list, bool reads);
   // A copy of a list as one flat tensor the collective only reads.
   at::Tensor inFlat(const Tensors& list);
+  // `count` device buffers shaped as `like`'s one tensor, which the collective writes and nothing reads back.
+  Tensors scratch(const Tensors& like, int count);
 
   // Whether a list can travel as one flat buffer: several tensors of one dtype on one device.
   static bool flattens(const Tensors& list);
