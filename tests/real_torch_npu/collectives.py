@@ -63,7 +63,8 @@ def all_gather(device):
 def reduce(device):
     t = torch.full((3,), float(rank + 1), device=device)
     dist.reduce(t, dst=0)
-    return t, torch.full((3,), float(sum(range(1, world + 1)) if rank == 0 else rank + 1))
+    # torch leaves the other ranks' tensors unspecified (HCCL keeps them, gloo uses them as scratch)
+    return (t, torch.full((3,), float(sum(range(1, world + 1))))) if rank == 0 else (t.zero_(), torch.zeros(3))
 
 
 def gather(device):

@@ -468,16 +468,9 @@ class SimulatedBackend final : public c10d::Backend {
                           return host_->allreduce_coalesced(hosts, o);
                         }));
   }
-  // HCCL writes the root's tensor alone: torch_npu passes each rank's tensor to HcclReduce as
-  // its send and receive buffer, and only the root receives. gloo uses the other ranks'
-  // tensors as scratch, so there it reduces copies of them (torch_npu over comm's fake CANN,
-  // tests/real_torch_npu, leaves them as they were).
   WorkPtr reduce(Tensors& tensors, const c10d::ReduceOptions& opts) override {
-    auto run = [&](Tensors& hosts, c10d::ReduceOptions& o) { return host_->reduce(hosts, o); };
-    if (getRank() == opts.rootRank) return casting("reduce", tensors, opts, c10d::OpType::REDUCE, run);
-    Tensors copies;
-    for (const auto& tensor : tensors) copies.push_back(tensor.clone());
-    return casting("reduce", copies, opts, c10d::OpType::REDUCE, run);
+    return casting("reduce", tensors, opts, c10d::OpType::REDUCE,
+                   [&](Tensors& hosts, c10d::ReduceOptions& o) { return host_->reduce(hosts, o); });
   }
   WorkPtr allgather(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) override {
     mapped(inputs);
