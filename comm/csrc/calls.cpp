@@ -155,7 +155,7 @@ WorkPtr StagingBackend::gather(TensorLists& outputs, Tensors& inputs, const c10d
       // (the torch-npu 2.13.0 wheel); torch_npu runs dist.gather of NPU tensors as an
       // all-gather (its torch_npu/distributed/distributed_c10d.py, _gather), and so does comm:
       // every rank receives every piece, the root's are written back.
-      if (std::string(error.what()).find("does not support gather") == std::string::npos) throw;
+      if (std::string(error.what()).find("ProcessGroupHCCL does not support gather") == std::string::npos) throw;
     }
     TensorLists everyone = out.empty() ? TensorLists{call.scratch(in, getSize())} : out;
     c10d::AllgatherOptions gathering;
