@@ -177,8 +177,12 @@ bool StagedWork::isCompleted() {
   // exception(), not isSuccess(): NCCL's isSuccess() throws that it is deprecated
   // (torch's ProcessGroupNCCL.cpp, WorkNCCL::isSuccess); every work has set its error by now.
   if (exception() == nullptr) writeAll();
-  for (auto& back : backs_) back->release(/*recorded=*/false); // the collectives are done with them
+  releaseBuffers(/*recorded=*/false); // the collectives are done with them
   return true;
+}
+
+void StagedWork::releaseBuffers(bool recorded) {
+  for (auto& back : backs_) back->release(recorded);
 }
 
 bool StagedWork::isSuccess() const {
@@ -222,7 +226,7 @@ void StagedWork::synchronize() {
     }
     work->synchronize();
   }
-  for (auto& back : backs_) back->release(/*recorded=*/true); // on stream_, which now waits for the collectives
+  releaseBuffers(/*recorded=*/true); // on stream_, which now waits for the collectives
 }
 
 bool StagedWork::wait(std::chrono::milliseconds timeout) {
@@ -246,7 +250,7 @@ bool StagedWork::wait(std::chrono::milliseconds timeout) {
     if (paired) backs_[i]->copyBack();
   }
   writeAll();
-  for (auto& back : backs_) back->release(/*recorded=*/true); // on stream_, which now waits for the collectives
+  releaseBuffers(/*recorded=*/true); // on stream_, which now waits for the collectives
   return true;
 }
 

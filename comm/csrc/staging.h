@@ -149,6 +149,8 @@ class StagedWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
+  // Every write-back's device buffers back to the allocator (WriteBack::release).
+  void releaseBuffers(bool recorded);
   // The write-backs' three steps, each for every write-back before the next step.
   void writeAll();
   // Whether a collective failed without raising from wait() (HCCL and NCCL with their
