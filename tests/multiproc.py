@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import random
 import shutil
 import socket
 import subprocess
@@ -472,11 +473,21 @@ def quiet_env(**extra: str) -> Dict[str, str]:
     return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **extra}
 
 
-def free_port() -> int:
-    """A TCP port nothing on this host listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+# Ports a test hands to its ranks come from below Linux's ephemeral range (32768 and up
+# by default, /proc/sys/net/ipv4/ip_local_port_range), and above the 15000-24999 that
+# Slurm job ids map to. A port the kernel hands out itself could, between our probe and
+# the ranks' bind, go to another process's outgoing socket or listener: MPICH's mpiexec
+# once took one for its proxies, and a rank's store client then spoke to it.
+_TEST_PORTS = range(25000, 32768)
+
+
+def free_port(avoid: Sequence[int] = ()) -> int:
+    """A TCP port nothing on this host listens on right now, outside ``avoid``."""
+    for _ in range(1000):
+        port = random.choice(_TEST_PORTS)
+        if port not in avoid and port_is_free(port):
+            return port
+    raise RuntimeError(f"no free port in {_TEST_PORTS.start}-{_TEST_PORTS.stop - 1}")
 
 
 def port_is_free(port: int) -> bool:

@@ -30,7 +30,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from multiproc import port_is_free, quiet_env, without_launcher
+from multiproc import free_port, port_is_free, quiet_env, without_launcher
 
 HERE = Path(__file__).resolve().parent
 INSTALL = HERE / "install.sh"
@@ -368,11 +368,7 @@ _FINISHED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NO
 def _free_ports(count: int) -> List[int]:
     ports: List[int] = []
     while len(ports) < count:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
-        if port not in ports:
-            ports.append(port)
+        ports.append(free_port(avoid=ports))
     return ports
 
 
