@@ -89,7 +89,9 @@ def _simulated_npu_scenario(rank, world_size):
     block = torch.zeros(1024, device=f"npu:{other}")
     seen["reserved_other_before"] = torch.npu.memory_reserved(other)
     seen["reserved_own_before"] = torch.npu.memory_reserved(rank)
-    comm.empty_cache(block.device)
+    device = block.device
+    del block  # a block in use stays reserved through empty_cache, as torch_npu's
+    comm.empty_cache(device)
     seen["reserved_other_after"] = torch.npu.memory_reserved(other)
     seen["reserved_own_after"] = torch.npu.memory_reserved(rank)
     seen["still_bound"] = torch.npu.current_device()

@@ -29,9 +29,11 @@ numbers are drawn by the CPU's kernels from the device generator's seed and offs
 run on gloo (what gloo lacks fails with gloo's error; ``unsupported_ops`` adds the
 refusals of a real part, and :func:`fail_next` a broken link's failures);
 device and pinned memory are cached as torch_npu's allocators cache them (a freed
-block serves the next request of its rounded size); ``memory_reserved`` counts the
-fresh blocks a device took since its last ``empty_cache``, which gives its cached ones
-back, with no out-of-memory; pinned memory is ordinary host memory that remembers it
+block serves the next request of its rounded size, never a bigger one split);
+``memory_allocated``, ``memory_reserved`` and their peaks are counted as torch_npu
+counts them, ``empty_cache`` gives the cached blocks back, and a device has a capacity
+(:func:`set_device_memory`) past which allocation raises torch_npu's out-of-memory
+error; pinned memory is ordinary host memory that remembers it
 was pinned. It needs torch >= 2.9 (its
 headers are what the C++ is written against), a C++ compiler and ninja.
 """
@@ -47,12 +49,21 @@ import torch.distributed as dist
 
 from comm._native import SIMULATED
 from comm.testing import _device, _process_group, _torch_npu
-from comm.testing._device import ALL_FAILURE_MODES, FAILURE_MODES, counters, device_counters, fail_next, reset_counters
+from comm.testing._device import (
+    ALL_FAILURE_MODES,
+    FAILURE_MODES,
+    counters,
+    device_counters,
+    fail_next,
+    pinned_memory,
+    reset_counters,
+    set_device_memory,
+)
 
 __all__ = [
     "ALL_FAILURE_MODES", "FAILURE_MODES", "apply_torch_npu_patches", "can_simulate", "counters", "device_counters",
-    "fail_next", "offloaded",
-    "reset_counters", "simulate_accelerator", "simulate_from_environment", "simulated_accelerator",
+    "fail_next", "offloaded", "pinned_memory",
+    "reset_counters", "set_device_memory", "simulate_accelerator", "simulate_from_environment", "simulated_accelerator",
 ]
 
 _LOCK = threading.Lock()

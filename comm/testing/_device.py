@@ -16,12 +16,11 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional
 import torch
 from torch.utils.backend_registration import generate_methods_for_privateuse1_backend, rename_privateuse1_backend
 
+from comm._env import env_bytes
 from comm._native import SIMULATED
 from comm.testing import _device_api
 
 _NAME: Optional[str] = None
-# What mem_get_info and get_device_properties report as each simulated device's memory.
-_TOTAL_MEMORY = 16 << 30
 # Registrations that must live as long as the process.
 _LIBRARIES: List[Any] = []
 
@@ -101,6 +100,9 @@ def install_device(name: str, device_count: int) -> None:
     core = SIMULATED.load()
     rename_privateuse1_backend(name)
     core.install(device_count)
+    memory = env_bytes("COMM_SIMULATED_MEMORY", 0)
+    if memory:
+        core.set_capacity(memory)
     core.run_on_host_for(_operators_with_composites())
     generate_methods_for_privateuse1_backend()
     _register_record_stream()
@@ -201,27 +203,26 @@ def _build_device_module(name: str, core: Any) -> types.ModuleType:
         # The host waits for what the device was told to wait for (aclrtSynchronizeDevice).
         "synchronize": lambda device=None: core.synchronize(_index_of(device, core)),
         "empty_cache": lambda: core.empty_cache(core.current_device()),
-        "memory_reserved": lambda device=None: core.memory_reserved(_index_of(device, core)),
-        # One count only (the fresh blocks taken since the last empty_cache): every statistic reads it.
-        "memory_allocated": lambda device=None: core.memory_reserved(_index_of(device, core)),
-        "max_memory_allocated": lambda device=None: core.memory_reserved(_index_of(device, core)),
-        "max_memory_reserved": lambda device=None: core.memory_reserved(_index_of(device, core)),
-        "reset_peak_memory_stats": lambda device=None: None,
+        "memory_allocated": lambda device=None: _memory(core, device)["allocated"],
+        "max_memory_allocated": lambda device=None: _memory(core, device)["peak_allocated"],
+        "memory_reserved": lambda device=None: _memory(core, device)["reserved"],
+        "max_memory_reserved": lambda device=None: _memory(core, device)["peak_reserved"],
+        "reset_peak_memory_stats": lambda device=None: core.reset_peak_memory(_index_of(device, core)),
         # Free memory less what HCCL's communicators hold (allocated outside the caching allocator).
-        "mem_get_info": lambda device=None: (_free_memory(core, _index_of(device, core)), _TOTAL_MEMORY),
+        "mem_get_info": lambda device=None: (_free_memory(core, _index_of(device, core)), core.capacity()),
         "get_device_name": lambda device=None: f"simulated {name} (comm.testing)",
         "get_device_properties": lambda device=None: types.SimpleNamespace(
-            name=f"simulated {name} (comm.testing)", total_memory=_TOTAL_MEMORY, multi_processor_count=1),
+            name=f"simulated {name} (comm.testing)", total_memory=core.capacity(), multi_processor_count=1),
         "is_bf16_supported": lambda including_emulation=True: True,
         "get_amp_supported_dtype": lambda: [torch.float16, torch.bfloat16],
         "get_device_capability": _device_api.get_device_capability,
         "Stream": _device_api.stream_class(name, lambda device: _index_of(device, core)),
         "Event": _device_api.event_class(name, core.current_device),
-        "memory_stats": lambda device=None: _device_api.memory_stats(core.memory_reserved(_index_of(device, core))),
-        "memory_cached": lambda device=None: core.memory_reserved(_index_of(device, core)),
-        "max_memory_cached": lambda device=None: core.memory_reserved(_index_of(device, core)),
-        "reset_max_memory_allocated": lambda device=None: None,
-        "reset_max_memory_cached": lambda device=None: None,
+        "memory_stats": lambda device=None: _device_api.memory_stats(_memory(core, device)),
+        "memory_cached": lambda device=None: _memory(core, device)["reserved"],
+        "max_memory_cached": lambda device=None: _memory(core, device)["peak_reserved"],
+        "reset_max_memory_allocated": lambda device=None: core.reset_peak_memory(_index_of(device, core)),
+        "reset_max_memory_cached": lambda device=None: core.reset_peak_memory(_index_of(device, core)),
         "default_stream": lambda device=None: _default_stream(_index_of(device, core)),
         "_lazy_call": lambda callback, **kwargs: callback(),  # the simulated device is initialised from the start
         # torch_npu's choice between CANN compiling kernels at run time and its prebuilt ones: nothing to choose here.
@@ -238,9 +239,39 @@ def _build_device_module(name: str, core: Any) -> types.ModuleType:
     return module
 
 
+def _memory(core: Any, device: Any) -> Dict[str, int]:
+    """A device's allocator figures: allocated, reserved, and the peak of each."""
+    figures: Dict[str, int] = core.memory(_index_of(device, core))
+    return figures
+
+
 def _free_memory(core: Any, index: int) -> int:
     held: int = core.device_counters(index)["communicator_bytes"]
-    return _TOTAL_MEMORY - int(core.memory_reserved(index)) - held
+    return max(0, int(core.capacity()) - int(core.memory(index)["reserved"]) - held)
+
+
+def pinned_memory(reset_peak: bool = False) -> Dict[str, int]:
+    """Pinned host memory the simulation's pinned allocator counts: allocated, reserved and their peaks.
+
+    ``reset_peak``: start both peaks again from now (after reading them).
+    """
+    core = _core()
+    figures: Dict[str, int] = core.memory(-1)
+    if reset_peak:
+        core.reset_peak_memory(-1)
+    return figures
+
+
+def set_device_memory(nbytes: int) -> None:
+    """Give every simulated device ``nbytes`` of memory (16 GiB unless set; ``COMM_SIMULATED_MEMORY`` at start).
+
+    Past it, an allocation first frees the device's cached blocks, then raises torch_npu's
+    out-of-memory error (``torch.OutOfMemoryError``: "NPU out of memory. Tried to allocate
+    ..."); ``mem_get_info`` and ``get_device_properties`` report it.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"nbytes must be a positive whole number of bytes, got {nbytes!r}")
+    _core().set_capacity(nbytes)
 
 
 def _default_stream(index: int) -> torch.Stream:

@@ -33,19 +33,24 @@ def get_device_capability(device: Any = None) -> Optional[Tuple[int, int]]:
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
-def memory_stats(used: int) -> Dict[str, int]:
+def memory_stats(figures: Dict[str, int]) -> Dict[str, int]:
     """``memory_stats()`` in the flat ``"family.pool.stat"`` form of torch_npu/npu/memory.py (as CUDA's).
 
-    The simulation's caching allocator counts only the fresh blocks it took since the last
-    ``empty_cache``: every byte statistic is that figure, all in the large pool, none freed.
+    From the simulation's caching allocator (``figures``: allocated and reserved bytes now
+    and at their peak), all in the large pool; what it does not count (blocks freed,
+    requested as against rounded sizes) reads as the nearest figure it has.
     """
     stats = {"num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
              "num_device_free": 0}
-    for family in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
-        for pool, size in (("all", used), ("large_pool", used), ("small_pool", 0)):
-            for stat in ("current", "peak", "allocated"):
-                stats[f"{family}.{pool}.{stat}"] = size
-            stats[f"{family}.{pool}.freed"] = 0
+    families = {"allocated_bytes": "allocated", "reserved_bytes": "reserved", "active_bytes": "allocated",
+                "requested_bytes": "allocated"}
+    for family, figure in families.items():
+        current, peak = figures[figure], figures[f"peak_{figure}"]
+        for pool, (now, most) in (("all", (current, peak)), ("large_pool", (current, peak)), ("small_pool", (0, 0))):
+            stats[f"{family}.{pool}.current"] = now
+            stats[f"{family}.{pool}.peak"] = most
+            stats[f"{family}.{pool}.allocated"] = most
+            stats[f"{family}.{pool}.freed"] = most - now
     return dict(sorted(stats.items()))
 
 

@@ -188,6 +188,14 @@ class Stream {
           }
         }
         watched = next.fault != kReportedByWait;
+        // On hardware a collective that has ended no longer holds its buffers; gloo's worker
+        // lets go of its work (and the host views in it) only just after marking it complete
+        // (ProcessGroupGloo::runLoop resets workInProgress_ after the work ran), so the host's
+        // collective is let go here once this is its last holder: memory a caller frees after
+        // the wait is free then, as on a device (the staging budget's tests count it).
+        for (int spins = 0; spins < 2000 && next.host && next.host.use_count() > 1; ++spins) {
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
       }
       // The host's collective is let go before the host learns this one has ended: gloo's
       // barrier waits for every earlier work still alive and raises a failed one's error,

@@ -13,6 +13,8 @@
 #include <optional>
 #include <chrono>
 #include <cstring>
+#include <sstream>
+#include <string>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -40,8 +42,37 @@ std::atomic<int> device_count{0};
 thread_local c10::DeviceIndex current_index = 0;
 thread_local std::array<c10::StreamId, kMaxDevices> current_stream{}; // 0: the default stream
 std::atomic<c10::StreamId> next_stream{1};
-// Bytes allocated on each device since its last empty_cache (torch.<name>.memory_reserved).
-std::array<std::atomic<int64_t>, kMaxDevices> reserved{};
+// Each device's memory, as torch_npu's caching allocator counts it (memory_stats' "all"
+// figures): `allocated`, the blocks tensors hold; `reserved`, the blocks taken from the
+// device, held or cached; each with its peak since reset_peak_memory_stats. Memory a CPU
+// kernel allocated for a device tensor (the fallback's results) is reserved, not
+// allocated: it is freed outside the allocator.
+struct Memory {
+  std::atomic<int64_t> allocated{0};
+  std::atomic<int64_t> peak_allocated{0};
+  std::atomic<int64_t> reserved{0};
+  std::atomic<int64_t> peak_reserved{0};
+};
+std::array<Memory, kMaxDevices> device_memory{};
+// Pinned host memory, counted the same way (comm.testing.pinned_memory; torch_npu reports none).
+Memory pinned_memory;
+// Each device's capacity: what allocation respects and mem_get_info reports (set_capacity).
+std::atomic<int64_t> capacity{int64_t{16} << 30};
+
+void add(std::atomic<int64_t>& value, std::atomic<int64_t>& peak, int64_t bytes) {
+  auto now = value += bytes;
+  auto seen = peak.load();
+  while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+  }
+}
+
+Memory& memory_of(c10::Device device) {
+  return device_memory[device.index()];
+}
+
+void add_reserved(c10::DeviceIndex index, int64_t bytes) {
+  add(device_memory[index].reserved, device_memory[index].peak_reserved, bytes);
+}
 
 // ---- what each stream was told to wait for ----------------------------------
 //
@@ -219,10 +250,36 @@ size_t rounded(size_t pool, size_t nbytes) {
   return size;
 }
 
+// Frees `pool`'s cached blocks (torch.<name>.empty_cache), less what a device had reserved.
+// Holds blocks().mutex.
+void release_cached_locked(Blocks& all, size_t pool) {
+  int64_t freed = 0;
+  for (auto& [size, cached] : all.cached[pool]) {
+    for (void* data : cached) c10::free_cpu(data);
+    freed += static_cast<int64_t>(size * cached.size());
+  }
+  all.cached[pool].clear();
+  (pool == kPinnedPool ? pinned_memory : device_memory[pool]).reserved -= freed;
+}
+
+void release_cached(size_t pool) {
+  auto& all = blocks();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  release_cached_locked(all, pool);
+}
+
+// Whether `size` more bytes taken from device `pool` would pass its capacity, beside what its
+// HCCL communicators hold (allocated outside the caching allocator).
+bool past_capacity(size_t pool, size_t size) {
+  return device_memory[pool].reserved.load() + device_counters[pool].communicator_bytes.load() +
+             static_cast<int64_t>(size) > capacity.load();
+}
+
 // A block of `pool` for `nbytes` (nullptr for none): a cached one, or else fresh host memory.
-// Whether it was fresh goes to `fresh`, and its rounded size to `size`.
-void* take_block(size_t pool, size_t nbytes, bool& fresh, size_t& size) {
-  fresh = false;
+// A device pool past its capacity first frees its cached blocks, as torch_npu's allocator
+// does before it gives up (NPUCachingAllocator.cpp, malloc: release_cached_blocks, then
+// alloc_block again); still past it, nothing is taken and `size` says how much was asked.
+void* take_block(size_t pool, size_t nbytes, size_t& size) {
   size = 0;
   if (nbytes == 0) return nullptr;
   size = rounded(pool, nbytes);
@@ -230,14 +287,24 @@ void* take_block(size_t pool, size_t nbytes, bool& fresh, size_t& size) {
   std::lock_guard<std::mutex> lock(all.mutex);
   auto& cached = all.cached[pool][size];
   void* data = nullptr;
-  if (cached.empty()) {
-    data = c10::alloc_cpu(size);
-    fresh = true;
-  } else {
+  if (!cached.empty()) {
     data = cached.back();
     cached.pop_back();
+  } else {
+    if (pool != kPinnedPool && past_capacity(pool, size)) {
+      release_cached_locked(all, pool);
+      if (past_capacity(pool, size)) return nullptr;
+    }
+    data = c10::alloc_cpu(size);
+    if (pool == kPinnedPool) {
+      add(pinned_memory.reserved, pinned_memory.peak_reserved, static_cast<int64_t>(size));
+    } else {
+      add_reserved(static_cast<c10::DeviceIndex>(pool), static_cast<int64_t>(size));
+    }
   }
   all.in_use.emplace(data, std::make_pair(pool, size));
+  auto& counted = pool == kPinnedPool ? pinned_memory : device_memory[pool];
+  add(counted.allocated, counted.peak_allocated, static_cast<int64_t>(size));
   return data;
 }
 
@@ -247,27 +314,47 @@ void give_block(void* data) {
   auto& all = blocks();
   std::lock_guard<std::mutex> lock(all.mutex);
   auto block = all.in_use.find(data);
-  all.cached[block->second.first][block->second.second].push_back(data);
+  auto [pool, size] = block->second;
+  all.cached[pool][size].push_back(data);
   all.in_use.erase(block);
+  (pool == kPinnedPool ? pinned_memory : device_memory[pool]).allocated -= static_cast<int64_t>(size);
 }
 
-// Frees `pool`'s cached blocks (torch.<name>.empty_cache).
-void release_cached(size_t pool) {
-  auto& all = blocks();
-  std::lock_guard<std::mutex> lock(all.mutex);
-  for (auto& [size, cached] : all.cached[pool]) {
-    for (void* data : cached) c10::free_cpu(data);
+// A size as torch_npu's allocator writes it in its messages (format_size).
+std::string format_size(int64_t bytes) {
+  std::ostringstream out;
+  out.precision(2);
+  out << std::fixed;
+  if (bytes <= 1024) {
+    out << bytes << " bytes";
+  } else if (bytes <= 1048576) {
+    out << bytes / 1024.0 << " KiB";
+  } else if (bytes <= 1073741824LL) {
+    out << bytes / 1048576.0 << " MiB";
+  } else {
+    out << bytes / 1073741824.0 << " GiB";
   }
-  all.cached[pool].clear();
+  return out.str();
 }
 
 struct DeviceAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     auto index = current_index;
-    bool fresh = false;
     size_t size = 0;
-    void* data = take_block(static_cast<size_t>(index), nbytes, fresh, size);
-    if (fresh) reserved[index] += static_cast<int64_t>(size);
+    void* data = take_block(static_cast<size_t>(index), nbytes, size);
+    if (data == nullptr && size > 0) {
+      // torch_npu's message and error type (NPUCachingAllocator.cpp, malloc: "NPU out of
+      // memory. Tried to allocate ..."), which Python sees as torch.OutOfMemoryError.
+      auto& counted = device_memory[index];
+      auto total = capacity.load();
+      auto free = std::max<int64_t>(0, total - counted.reserved.load() - device_counters[index].communicator_bytes.load());
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "NPU out of memory. Tried to allocate ",
+                       format_size(static_cast<int64_t>(size)), " (NPU ", static_cast<int>(index), "; ",
+                       format_size(total), " total capacity; ", format_size(counted.allocated.load()),
+                       " already allocated; ", format_size(counted.allocated.load()), " current active; ",
+                       format_size(free), " free; ", format_size(counted.reserved.load()),
+                       " reserved in total by PyTorch)");
+    }
     return {data, data, &give_block, c10::Device(kDevice, index)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &give_block; }
@@ -288,9 +375,8 @@ bool pinned_block(const void* data) {
 
 struct PinnedAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
-    bool fresh = false;
     size_t size = 0;
-    void* data = take_block(kPinnedPool, nbytes, fresh, size);
+    void* data = take_block(kPinnedPool, nbytes, size);
     return {data, data, &give_block, c10::Device(c10::kCPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &give_block; }
@@ -344,11 +430,35 @@ Hooks hooks;
 
 bool on_device(const at::Tensor& tensor) { return tensor.defined() && tensor.device().type() == kDevice; }
 
-void release_storage(void* owner) { delete static_cast<c10::Storage*>(owner); }
+// What a storage seen on another device keeps alive: the storage that owns the memory,
+// and, where the memory is new to a simulated device (a CPU kernel made it for a device
+// tensor), the bytes that device counts as allocated and reserved until it is freed.
+struct Owner {
+  c10::Storage memory;
+  c10::DeviceIndex index;
+  int64_t counted;
+};
 
-// `memory` seen as a storage on `device`, which keeps `memory`'s owner alive.
-c10::Storage storage_over(const c10::Storage& memory, c10::Device device, c10::Allocator* allocator) {
-  c10::DataPtr data(memory.unsafeGetStorageImpl()->mutable_data(), new c10::Storage(memory), &release_storage, device);
+void release_storage(void* context) {
+  auto* owner = static_cast<Owner*>(context);
+  if (owner->counted > 0) {
+    device_memory[owner->index].allocated -= owner->counted;
+    device_memory[owner->index].reserved -= owner->counted;
+  }
+  delete owner;
+}
+
+// `memory` seen as a storage on `device`, which keeps `memory`'s owner alive. `counted`:
+// the memory is new to `device`, which counts it until it is freed.
+c10::Storage storage_over(const c10::Storage& memory, c10::Device device, c10::Allocator* allocator,
+                          bool counted = false) {
+  auto bytes = counted ? static_cast<int64_t>(memory.nbytes()) : 0;
+  if (bytes > 0) {
+    add(memory_of(device).allocated, memory_of(device).peak_allocated, bytes);
+    add_reserved(device.index(), bytes);
+  }
+  c10::DataPtr data(memory.unsafeGetStorageImpl()->mutable_data(), new Owner{memory, device.index(), bytes},
+                    &release_storage, device);
   return c10::Storage(c10::Storage::use_byte_size_t(), memory.nbytes(), std::move(data), allocator, memory.resizable());
 }
 
@@ -406,9 +516,9 @@ class HostViews {
       auto* to = device.unsafeGetStorageImpl();
       if (from->data() != to->data()) { // the CPU kernel reallocated it
         c10::DataPtr moved = from->set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
-        moved.unsafe_set_device(device.device());
-        reserved[device.device().index()] += static_cast<int64_t>(from->nbytes());
-        to->set_data_ptr_noswap(std::move(moved));
+        c10::Storage made(c10::Storage::use_byte_size_t(), from->nbytes(), std::move(moved), c10::GetCPUAllocator());
+        auto over = storage_over(made, device.device(), &device_allocator, /*counted=*/true);
+        to->set_data_ptr_noswap(std::move(over.unsafeGetStorageImpl()->mutable_data_ptr()));
       }
       to->set_nbytes(from->nbytes());
     }
@@ -430,8 +540,7 @@ class HostViews {
     for (auto& [host, device] : storages_) {
       if (host.unsafeGetStorageImpl() == storage.unsafeGetStorageImpl()) return device;
     }
-    auto device = storage_over(storage, c10::Device(kDevice, index), &device_allocator);
-    reserved[index] += static_cast<int64_t>(storage.nbytes());
+    auto device = storage_over(storage, c10::Device(kDevice, index), &device_allocator, /*counted=*/true);
     storages_.emplace_back(storage, device);
     return device;
   }
@@ -874,7 +983,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("device_count", []() { return device_count.load(); });
   m.def("current_device", []() { return static_cast<int>(current_index); });
   m.def("set_device", [](int index) { current_index = checked(static_cast<c10::DeviceIndex>(index)); });
-  m.def("memory_reserved", [](int index) { return reserved[checked(static_cast<c10::DeviceIndex>(index))].load(); });
+  // index -1: pinned host memory.
+  m.def("memory", [](int index) {
+    auto& counted = index == -1 ? pinned_memory : device_memory[checked(static_cast<c10::DeviceIndex>(index))];
+    return std::map<std::string, int64_t>{{"allocated", counted.allocated.load()},
+                                          {"peak_allocated", counted.peak_allocated.load()},
+                                          {"reserved", counted.reserved.load()},
+                                          {"peak_reserved", counted.peak_reserved.load()}};
+  });
+  m.def("reset_peak_memory", [](int index) {
+    auto& counted = index == -1 ? pinned_memory : device_memory[checked(static_cast<c10::DeviceIndex>(index))];
+    counted.peak_allocated = counted.allocated.load();
+    counted.peak_reserved = counted.reserved.load();
+  });
+  m.def("capacity", []() { return capacity.load(); });
+  m.def("set_capacity", [](int64_t bytes) {
+    TORCH_CHECK(bytes > 0, "capacity must be positive, got ", bytes);
+    capacity = bytes;
+  });
   m.def("synchronize", [](int index) {
     pybind11::gil_scoped_release released;
     host_waits(checked(static_cast<c10::DeviceIndex>(index)));
@@ -889,7 +1015,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("empty_cache", [](int index) {
     auto device = checked(static_cast<c10::DeviceIndex>(index));
     release_cached(static_cast<size_t>(device));
-    reserved[device] = 0;
   });
   m.def("counters", []() {
     return std::map<std::string, int64_t>{{"transfers", transfers.load()}, {"collectives", collectives.load()}};
