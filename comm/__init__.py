@@ -48,7 +48,16 @@ from comm.norm import clip_grad_norm_, total_norm
 from comm.observability import reset_stats, stats
 from comm.patch import is_patched, patch, patched, unpatch
 from comm.profiler import Profile, profile, profile_if_asked
-from comm.slot import adopt_thread, communicators, equip, staged_types, staging_device, unavailable_reason
+from comm.slot import (
+    adopt_thread,
+    communicators,
+    equip,
+    set_staging_budget,
+    staged_types,
+    staging_budget,
+    staging_device,
+    unavailable_reason,
+)
 
 # The one place the version is written: setup.cfg reads it (version = attr: comm.__version__).
 __version__ = "0.3.0"
@@ -96,7 +105,9 @@ __all__ = [
     "reset_stats",
     "scatter",
     "send",
+    "set_staging_budget",
     "staged_types",
+    "staging_budget",
     "staging_device",
     "stats",
     "total_norm",

@@ -44,8 +44,9 @@ from comm._native import STAGING
 from comm.device import accelerator_type, bound_device, current_device
 from comm.groups import GroupCache, GroupFacts, facts_of, resolve_group
 
-__all__ = ["adopt_thread", "cached_groups", "communicators", "equip", "equipped_once", "existing_groups", "own_types",
-           "staged_types", "staging_device", "target_device", "unavailable_reason"]
+__all__ = ["adopt_thread", "cached_groups", "communicators", "equip", "equipped_once", "existing_groups",
+           "own_types", "set_staging_budget", "staged_types", "staging_budget", "staging_device", "target_device",
+           "unavailable_reason"]
 
 # A host tensor's all-reduce of at least twice this many bytes is staged in chunks of
 # this size, pipelined (COMM_STAGING_CHUNK_BYTES overrides it; 0: never). Chosen by a sweep
@@ -54,6 +55,10 @@ __all__ = ["adopt_thread", "cached_groups", "communicators", "equip", "equipped_
 # collective and one copy back took x0.98 and x0.99), and level with the rest from 16 to 32 MiB;
 # each chunk is a collective of its own, so fewer chunks cost fewer instructions.
 CHUNK_BYTES = 8 << 20
+# The device memory one thread's staged collectives on a group hold at once: four chunks,
+# so that a chunk's copy in, another's collective and a third's copy back overlap as
+# before (COMM_STAGING_BUDGET_BYTES or set_staging_budget() override it; 0: no bound).
+BUDGET_BYTES = 4 * CHUNK_BYTES
 
 # torch's private names used here, with why: comm/_torch_private.py (the one list).
 # GROUP_CREATION is where c10d creates every group. comm.patch() wraps whatever function
@@ -100,14 +105,14 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
         target = _target_of(registered, facts.bound)
         native = STAGING.load()
         factories = (communicator_factory(pg, target, _kind_on(facts, target)), cpu_communicator_factory(pg, target))
-        chunk_bytes = env_bytes("COMM_STAGING_CHUNK_BYTES", CHUNK_BYTES)
+        sizes = {"chunk_bytes": env_bytes("COMM_STAGING_CHUNK_BYTES", CHUNK_BYTES),
+                 "budget_bytes": env_bytes("COMM_STAGING_BUDGET_BYTES", BUDGET_BYTES)}
         timeout = group_timeout(pg, target, native)
         try:
             backend = native.staging_backend(pg.rank(), pg.size(), target, pg._get_backend(target), timeout,
-                                             *factories, chunk_bytes=chunk_bytes)
+                                             *factories, **sizes)
         except TypeError:  # the group's backend there is no c10d Backend comm can hold: comm's own for every thread
-            backend = native.staging_backend(pg.rank(), pg.size(), target, None, timeout, *factories,
-                                             chunk_bytes=chunk_bytes)
+            backend = native.staging_backend(pg.rank(), pg.size(), target, None, timeout, *factories, **sizes)
         label = _free_label(facts)
         for device_type in missing:
             pg._register_backend(torch.device(device_type), label, backend)
@@ -227,6 +232,33 @@ def communicators(group: Optional[dist.ProcessGroup] = None) -> Dict[str, Dict[s
         if target.type != "cpu":
             entry["gloo"] = entry.get("gloo", 0) + int(made.get("cpu", 0))
     return counts
+
+
+def set_staging_budget(nbytes: int, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Bound the device memory one thread's staged collectives on ``group`` hold at once to ``nbytes``.
+
+    A host tensor's chunked all-reduce keeps at most ``nbytes`` // chunk size chunks on
+    the device (at least one), and a staged collective first waits for the thread's
+    earlier ones that nobody waited for, oldest first, until what they hold is below
+    ``nbytes``; 0 removes the bound. Point-to-point calls are not bounded. The default is
+    ``COMM_STAGING_BUDGET_BYTES``, else 32 MiB. Local to this rank: ranks may differ.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be a whole number of bytes >= 0 (0: no bound), got {nbytes!r}")
+    STAGING.load().set_staging_budget(_equipped_backend(group), nbytes)
+
+
+def staging_budget(group: Optional[dist.ProcessGroup] = None) -> int:
+    """The device memory one thread's staged collectives on ``group`` hold at once (see :func:`set_staging_budget`)."""
+    return int(STAGING.load().staging_budget(_equipped_backend(group)))
+
+
+def _equipped_backend(group: Optional[dist.ProcessGroup]) -> Any:
+    pg = resolve_group(group)
+    backend = _staging_backend(pg)
+    if backend is None:
+        raise ValueError(f"group {pg.group_name!r} has no comm backend: comm stages nothing on it (see comm.equip)")
+    return backend
 
 
 def _staging_backend(pg: dist.ProcessGroup) -> Any:

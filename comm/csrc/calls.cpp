@@ -64,12 +64,26 @@ WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions
     return stage("all_reduce", c10d::OpType::ALLREDUCE,
                  [&](StagedCall& call) { return allreduceCopies(call, call.inOut(tensors), opts); }, &reduction);
   }
-  // One work for every chunk, so that nothing is written back unless every chunk succeeded.
+  // At most `depth` chunks on the device at once: before chunk i is copied in, chunk
+  // i - depth is waited for, written back and its buffers handed back, for chunk i to take.
+  // The caller's tensor is thus written chunk by chunk: a chunk that fails leaves the
+  // earlier ones reduced, as the served in-place all-reduce leaves whatever it wrote.
+  auto budget = this->budget();
+  auto depth = budget > 0 ? std::max<size_t>(1, static_cast<size_t>(budget / chunkBytes_)) : chunks.size();
+  makeRoom();
   std::vector<WorkPtr> works;
   std::vector<std::shared_ptr<WriteBack>> backs;
   std::optional<c10::Stream> waitOn;
-  for (auto& chunk : chunks) {
-    Tensors part{chunk};
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (i >= depth) {
+      c10::make_intrusive<StagedWork>(std::vector<WorkPtr>{works[i - depth]},
+                                      std::vector<std::shared_ptr<WriteBack>>{backs[i - depth]},
+                                      c10d::OpType::ALLREDUCE, waitOn)
+          ->retire();
+      works[i - depth].reset(); // the communicator's work may hold the chunk's copy
+      backs[i - depth].reset();
+    }
+    Tensors part{chunks[i]};
     Reduction reduction{"allreduce", part};
     auto issued = issue("all_reduce", [&](StagedCall& call) { return allreduceCopies(call, call.inOut(part), opts); },
                         &reduction);
@@ -77,7 +91,13 @@ WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions
     backs.push_back(issued.back);
     waitOn = issued.waitOn;
   }
-  return c10::make_intrusive<StagedWork>(std::move(works), std::move(backs), c10d::OpType::ALLREDUCE, waitOn, tensors);
+  // The work of the chunks still in flight, which the caller waits for.
+  auto first = chunks.size() > depth ? chunks.size() - depth : 0;
+  auto work = c10::make_intrusive<StagedWork>(std::vector<WorkPtr>(works.begin() + first, works.end()),
+                                              std::vector<std::shared_ptr<WriteBack>>(backs.begin() + first, backs.end()),
+                                              c10d::OpType::ALLREDUCE, waitOn, tensors);
+  track(work);
+  return work;
 }
 
 WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {

@@ -12,17 +12,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "staging_backend",
       [](int rank, int size, c10::Device target, std::optional<BackendPtr> own, std::chrono::milliseconds timeout,
-         CommunicatorFactory factory, CommunicatorFactory cpuFactory, int64_t chunkBytes) -> BackendPtr {
+         CommunicatorFactory factory, CommunicatorFactory cpuFactory, int64_t chunkBytes,
+         int64_t budgetBytes) -> BackendPtr {
         return c10::make_intrusive<StagingBackend>(rank, size, target, own ? *own : BackendPtr(), std::move(factory),
-                                                   std::move(cpuFactory), chunkBytes, timeout);
+                                                   std::move(cpuFactory), chunkBytes, budgetBytes, timeout);
       },
       pybind11::arg("rank"), pybind11::arg("size"), pybind11::arg("target"), pybind11::arg("own"),
       pybind11::arg("timeout"), pybind11::arg("communicator"), pybind11::arg("cpu_communicator") = pybind11::none(),
-      pybind11::arg("chunk_bytes") = 0,
+      pybind11::arg("chunk_bytes") = 0, pybind11::arg("budget_bytes") = 0,
       "A c10d Backend that stages each call onto `target` and runs it on `own` (the group's backend there) "
       "from the calling thread, on the backend `communicator(timeout)` makes from any other thread; CPU reductions "
       "of dtypes those cannot reduce run on the gloo backend `cpu_communicator(timeout)` makes. A host tensor's all-reduce "
-      "of at least 2 x `chunk_bytes` runs pipelined in chunks of that size (0: never). `timeout`: the group's, which "
+      "of at least 2 x `chunk_bytes` runs pipelined in chunks of that size (0: never). A thread's staged collectives "
+      "hold at most about `budget_bytes` of device memory at once (0: no bound). `timeout`: the group's, which "
       "each factory is called with (as is a later set_timeout's).");
   m.def(
       "backend_timeout",
@@ -51,6 +53,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         staging->adoptThread();
       },
       "Staged calls from the calling thread run on the group's own backend from now on.");
+  m.def(
+      "set_staging_budget",
+      [](const BackendPtr& backend, int64_t bytes) {
+        auto* staging = dynamic_cast<StagingBackend*>(backend.get());
+        TORCH_CHECK(staging != nullptr, "not comm's staging backend");
+        staging->setBudget(bytes);
+      },
+      "The device memory a thread's staged collectives on this backend hold at once (0: no bound).");
+  m.def("staging_budget", [](const BackendPtr& backend) -> std::optional<int64_t> {
+    auto* staging = dynamic_cast<StagingBackend*>(backend.get());
+    if (staging == nullptr) return std::nullopt;
+    return staging->budget();
+  });
   m.def("staging_target", [](const BackendPtr& backend) -> std::optional<c10::Device> {
     auto* staging = dynamic_cast<StagingBackend*>(backend.get());
     if (staging == nullptr) return std::nullopt;

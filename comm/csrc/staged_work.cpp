@@ -27,6 +27,12 @@ class DoneWork final : public c10d::Work {
   }
 };
 
+int64_t bytesOf(const Tensors& buffers) {
+  int64_t bytes = 0;
+  for (const auto& buffer : buffers) bytes += static_cast<int64_t>(buffer.storage().nbytes());
+  return bytes;
+}
+
 } // namespace
 
 WorkPtr doneWork() {
@@ -36,7 +42,7 @@ WorkPtr doneWork() {
 WriteBack::WriteBack(std::string name, std::function<std::string()> what, std::vector<Piece> pieces, Tensors results,
                      int64_t divisor, Tensors held)
     : name_(std::move(name)), what_(std::move(what)), pieces_(std::move(pieces)), writes_(!pieces_.empty()),
-      results_(std::move(results)), divisor_(divisor), held_(std::move(held)) {}
+      results_(std::move(results)), divisor_(divisor), held_(std::move(held)), heldBytes_(bytesOf(held_)) {}
 
 namespace {
 
@@ -130,6 +136,11 @@ void WriteBack::release(bool recorded) {
     }
   }
   held_.clear();
+  heldBytes_ = 0;
+}
+
+int64_t WriteBack::heldBytes() const {
+  return heldBytes_;
 }
 
 void rethrowStaged(const std::string& what) {
@@ -230,6 +241,7 @@ void StagedWork::synchronize() {
 }
 
 bool StagedWork::wait(std::chrono::milliseconds timeout) {
+  if (waited_) return true; // its results are written; a communicator's work waited twice may wait for ever
   auto caller = callersStream();
   c10::OptionalStreamGuard guard(stream_); // the collective's wait() orders the stream the call was staged on
   // A chunked call's work i is chunk i's; a coalescing block's works are not its calls'
@@ -251,7 +263,36 @@ bool StagedWork::wait(std::chrono::milliseconds timeout) {
   }
   writeAll();
   releaseBuffers(/*recorded=*/true); // on stream_, which now waits for the collectives
+  waited_ = true;
   return true;
+}
+
+int64_t StagedWork::heldBytes() {
+  int64_t bytes = 0;
+  for (auto& back : backs_) bytes += back->heldBytes();
+  return bytes;
+}
+
+void StagedWork::release_resources() {
+  inner_.clear();
+  backs_.clear();
+  results_.clear();
+}
+
+void StagedWork::retire() {
+  if (heldBytes() == 0) return; // waited for already, or it holds nothing
+  wait(kNoTimeout);
+  if (stream_) {
+    // The buffers went back recorded on stream_: the allocator hands them out again once
+    // stream_ has passed that point.
+    c10::Event passed(stream_->device_type());
+    passed.record(*stream_);
+    passed.synchronize();
+  }
+  // A communicator's work may keep its tensors (comm's copies) alive as long as it lives;
+  // the caller may keep this work long after. Dropped here, unless a future's thread may be
+  // reading them: the work then reports success, which it has.
+  if (!futureMade_) inner_.clear();
 }
 
 void StagedWork::abort() {
@@ -264,6 +305,7 @@ c10::intrusive_ptr<c10::ivalue::Future> StagedWork::getFuture() {
   // ProcessGroupHCCL.cpp:4208-4212), and results bound for the host are written back only
   // once the collective itself has run. A thread per future, not one shared queue: a
   // callback that waits for another staged future must not wait behind itself.
+  futureMade_ = true;
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
   auto self = c10::intrusive_ptr<StagedWork>::reclaim_copy(this);
   std::thread([self, future] {

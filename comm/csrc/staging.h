@@ -18,7 +18,9 @@
 // types), module.cpp (Python).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -104,6 +106,9 @@ class WriteBack {
   // waits run on its own stream: freed earlier, a buffer could be reused on the issuing
   // stream while the collective still reads or writes it.
   void release(bool recorded);
+  // The bytes of device memory the call holds until release(). Never waits: another thread
+  // may hold mutex_ while the host waits for the collective (awaitCopies).
+  int64_t heldBytes() const;
   // Says what was staged, for an error raised by the collective.
   std::string what() const { return what_(); }
 
@@ -121,6 +126,7 @@ class WriteBack {
   std::optional<c10::Event> copied_; // recorded after the copies back, where there are any
   std::once_flag landOnce_;
   Tensors held_; // the device buffers, until release()
+  std::atomic<int64_t> heldBytes_;
 };
 
 // The work of a staged call: the group backend's works on the copies, completed by
@@ -148,6 +154,17 @@ class StagedWork final : public c10d::Work {
   void abort() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
+  // The bytes of device memory the work's calls still hold (none once waited for).
+  int64_t heldBytes();
+  // When the last reference goes (a budget's weak one may keep the object itself a while):
+  // the communicator's works and the write-backs, with the copies they hold, go at once.
+  void release_resources() override;
+  // Waits for the work as wait() does, then holds the host until the stream its buffers
+  // went back on has passed them, so that the device allocator can hand them out again:
+  // how a staging budget makes room (StagingBackend::makeRoom). A work already waited
+  // for is not waited again. Drops the communicator's works, which may hold comm's copies.
+  void retire();
+
  private:
   // Every write-back's device buffers back to the allocator (WriteBack::release).
   void releaseBuffers(bool recorded);
@@ -165,6 +182,8 @@ class StagedWork final : public c10d::Work {
   std::optional<c10::Stream> stream_;
   Tensors results_;
   bool callerReads_;
+  std::atomic<bool> waited_{false}; // a wait() returned: later waits return at once
+  std::atomic<bool> futureMade_{false}; // getFuture() started a thread that waits for it
 };
 
 // A finished work, for calls inside a coalescing block: the work that ends the block
@@ -265,13 +284,15 @@ class StagingBackend final : public c10d::Backend {
   // communicator over the group's store, for CPU reductions of dtypes the group's
   // backend cannot reduce (made at the first one).
   // `chunkBytes`: a host tensor's all-reduce of at least twice this many bytes runs
-  // pipelined, in chunks of this size (0: never). `timeout`: the group's; every
+  // pipelined, in chunks of this size (0: never). `budgetBytes`: the device memory a
+  // thread's staged calls may hold at once (setBudget). `timeout`: the group's; every
   // communicator comm makes takes it (and a later setTimeout's) when it is made.
   StagingBackend(int rank, int size, at::Device target, BackendPtr own, CommunicatorFactory factory,
-                 CommunicatorFactory cpuFactory, int64_t chunkBytes, std::chrono::milliseconds timeout);
+                 CommunicatorFactory cpuFactory, int64_t chunkBytes, int64_t budgetBytes,
+                 std::chrono::milliseconds timeout);
   // A backend split from another: every thread runs on `communicator`, comm's own.
   StagingBackend(int rank, int size, at::Device target, BackendPtr communicator, int64_t chunkBytes,
-                 std::chrono::milliseconds timeout);
+                 int64_t budgetBytes, std::chrono::milliseconds timeout);
 
   const std::string getBackendName() const override { return "comm"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
@@ -321,6 +342,16 @@ class StagingBackend final : public c10d::Backend {
   // Makes the calling thread the group's thread (see the class comment).
   void adoptThread();
 
+  // The staging budget: the bytes of device memory one thread's staged collectives hold at
+  // once. A chunked all-reduce keeps at most budget / chunk size chunks on the device (at
+  // least one); a collective waits, before it copies anything in, for the thread's earlier
+  // staged collectives that nobody has waited for yet, oldest first, until what they hold
+  // is below the budget (makeRoom). 0: no bound. Point-to-point calls neither wait nor
+  // count: a send may need its peer to receive after sending in turn, and waiting for it
+  // here would deadlock where the served call does not.
+  void setBudget(int64_t bytes) { budget_ = bytes; }
+  int64_t budget() const { return budget_; }
+
   // Coalescing blocks. torch opens a block on the backend of one device type (c10d's
   // startCoalescing on that slot); calls on the other type, comm's, must complete with
   // the work that ends it, the only one torch's coalescing manager waits for. A block
@@ -352,6 +383,11 @@ class StagingBackend final : public c10d::Backend {
   // communicator, or is refused before anything is copied.
   WorkPtr stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run,
                 const Reduction* reduction = nullptr);
+  // Before a staged collective copies anything in: retires the calling thread's earlier
+  // staged collectives, oldest first, while what they hold reaches the budget.
+  void makeRoom();
+  // Counts `work` against the calling thread's budget until it is waited for.
+  void track(const c10::intrusive_ptr<StagedWork>& work);
   // One staged call issued: the communicator's work (may be none), its write-back, and
   // the stream its wait belongs on; whether it ran on the communicator of the group's kind.
   struct Issued {
@@ -421,6 +457,14 @@ class StagingBackend final : public c10d::Backend {
   std::optional<c10::Stream> writeBackStream_; // the group's thread's write-backs (waitStream)
   std::chrono::milliseconds timeout_;
   const int64_t chunkBytes_;
+  std::atomic<int64_t> budget_;
+  // The staged collectives issued and not yet known to be waited for, oldest first, each with
+  // the thread that issued it (makeRoom retires only that thread's).
+  struct InFlight {
+    c10::weak_intrusive_ptr<StagedWork> work;
+    std::thread::id thread;
+  };
+  std::deque<InFlight> inFlight_;
   const bool coalesces_; // whether the communicator of the group's kind coalesces
   // An open coalescing block: the thread's that opened it, on that thread's communicator
   // (calls from other threads meanwhile run outside it), and what comm issued in it so far.

@@ -13,15 +13,16 @@
 namespace comm_native {
 
 StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr own, CommunicatorFactory factory,
-                               CommunicatorFactory cpuFactory, int64_t chunkBytes, std::chrono::milliseconds timeout)
+                               CommunicatorFactory cpuFactory, int64_t chunkBytes, int64_t budgetBytes,
+                               std::chrono::milliseconds timeout)
     : Backend(rank, size), target_(target), own_(std::move(own)), owner_(std::this_thread::get_id()),
       factory_(std::move(factory)), cpuFactory_(std::move(cpuFactory)), timeout_(timeout),
-      chunkBytes_(chunkBytes), coalesces_(own_ && own_->supportsCoalescing()) {}
+      chunkBytes_(chunkBytes), budget_(budgetBytes), coalesces_(own_ && own_->supportsCoalescing()) {}
 
 StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr communicator, int64_t chunkBytes,
-                               std::chrono::milliseconds timeout)
+                               int64_t budgetBytes, std::chrono::milliseconds timeout)
     : Backend(rank, size), target_(target), owner_(std::this_thread::get_id()),
-      communicator_(std::move(communicator)), timeout_(timeout), chunkBytes_(chunkBytes),
+      communicator_(std::move(communicator)), timeout_(timeout), chunkBytes_(chunkBytes), budget_(budgetBytes),
       coalesces_(communicator_->supportsCoalescing()) {}
 
 at::Device StagingBackend::target() const {
@@ -191,10 +192,54 @@ StagingBackend::Issued StagingBackend::issue(const char* name, const std::functi
   return Issued{work, call.writeBack(), waitStream(onGroupsKind, target), onGroupsKind};
 }
 
+namespace {
+
+// Whether a call of `type` counts against the staging budget: collectives do, point-to-point
+// calls do not (see StagingBackend::setBudget).
+bool budgeted(c10d::OpType type) {
+  return type != c10d::OpType::SEND && type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE;
+}
+
+} // namespace
+
+void StagingBackend::makeRoom() {
+  auto me = std::this_thread::get_id();
+  while (true) {
+    c10::intrusive_ptr<StagedWork> oldest;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (budget_ <= 0 || inBlock()) return;
+      int64_t held = 0;
+      for (auto entry = inFlight_.begin(); entry != inFlight_.end();) {
+        auto work = entry->work.lock();
+        auto bytes = work ? work->heldBytes() : 0;
+        if (bytes == 0) { // waited for, or gone: it holds nothing any more
+          entry = inFlight_.erase(entry);
+          continue;
+        }
+        if (entry->thread == me) {
+          held += bytes;
+          if (!oldest) oldest = work;
+        }
+        ++entry;
+      }
+      if (held < budget_ || !oldest) return;
+    }
+    oldest->retire(); // outside the lock: it waits for the collective
+  }
+}
+
+void StagingBackend::track(const c10::intrusive_ptr<StagedWork>& work) {
+  if (budget_ <= 0 || work->heldBytes() == 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  inFlight_.push_back(InFlight{c10::weak_intrusive_ptr<StagedWork>(work), std::this_thread::get_id()});
+}
+
 WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run,
                               const Reduction* reduction) {
+  if (budgeted(type)) makeRoom();
   auto issued = issue(name, run, reduction);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   if (inBlock()) {
     // The call is the block's: the work that ends the block waits for it and writes it
     // back, the one work torch's coalescing manager waits for. Its own work is done at
@@ -205,10 +250,13 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
     if (issued.work) block_->works.push_back(issued.work);
     return doneWork();
   }
+  lock.unlock();
   std::vector<WorkPtr> works;
   if (issued.work) works.push_back(issued.work);
-  return c10::make_intrusive<StagedWork>(std::move(works), std::vector<std::shared_ptr<WriteBack>>{issued.back},
-                                         type, issued.waitOn);
+  auto work = c10::make_intrusive<StagedWork>(std::move(works), std::vector<std::shared_ptr<WriteBack>>{issued.back},
+                                              type, issued.waitOn);
+  if (budgeted(type)) track(work);
+  return work;
 }
 
 void StagingBackend::abandonBlock() {
@@ -301,7 +349,7 @@ BackendPtr StagingBackend::split(const c10::intrusive_ptr<c10d::Store>& store, c
   auto part = comm.split(prefixed, ranks, comm.getBackendOptions());
   if (!part) return nullptr; // this rank is in none of the new groups
   auto timeout = opts ? opts->timeout : getBackendOptions()->timeout;
-  return c10::make_intrusive<StagingBackend>(part->getRank(), part->getSize(), target(), part, chunkBytes_, timeout);
+  return c10::make_intrusive<StagingBackend>(part->getRank(), part->getSize(), target(), part, chunkBytes_, budget_, timeout);
 }
 
 } // namespace comm_native
