@@ -33,7 +33,7 @@ from comm._releases import flat_gather
 from comm.groups import backend_config, backends_by_device, device_types_of, native_avg, resolve_group
 from comm.work import DeferredWork
 
-__all__ = ["GAPS", "Gap"]
+__all__ = ["AVERAGES_INTEGERS", "GAPS", "Gap"]
 
 
 def _bound(call: Callable[..., Any], args: Any, kwargs: Any) -> inspect.BoundArguments:
@@ -85,10 +85,13 @@ def _gathers_uneven_unknown(group: dist.ProcessGroup) -> bool:
     return not set(backends_by_device(backend_config(group)).values()) <= {"gloo", "nccl"}
 
 
-# Backends whose AVG of integers is an integer, where comm's SUM-and-divide stands in for their AVG: HCCL,
-# as Ascend's own tests expect (test/distributed test_allreduce.py, test_dist_all_reduce_avg and _uint8_avg:
-# the sum floor-divided by the world size). Elsewhere an integer AVG gets torch's error for the divide.
-AVERAGES_INTEGERS = frozenset({"hccl"})
+# Backends whose AVG of integers is an integer, the one place that says so: comm's staging backend reads it
+# (comm/slot.py hands it over), and where a backend lacks AVG, comm's SUM-and-divide stands in for it with a
+# floor division. NCCL's: torch's ProcessGroupNCCL.cpp maps AVG to ncclAvg for every dtype but bool, which it
+# refuses with its own message. HCCL's, as Ascend's own tests expect (test/distributed test_allreduce.py,
+# test_dist_all_reduce_avg and _uint8_avg: the sum floor-divided by the world size). Elsewhere (gloo divides in
+# floating point) an integer AVG gets torch's error for the divide.
+AVERAGES_INTEGERS = frozenset({"nccl", "hccl"})
 
 
 def _integral(tensor: torch.Tensor) -> bool:

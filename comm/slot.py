@@ -42,6 +42,7 @@ from comm._communicators import communicator_factory, cpu_communicator_factory, 
 from comm._env import env_bytes
 from comm._native import STAGING
 from comm.device import accelerator_type, bound_device, current_device
+from comm.gaps import AVERAGES_INTEGERS
 from comm.groups import GroupCache, GroupFacts, facts_of, resolve_group
 
 __all__ = ["adopt_thread", "cached_groups", "communicators", "equip", "equipped_once", "existing_groups",
@@ -105,14 +106,15 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
         target = _target_of(registered, facts.bound)
         native = STAGING.load()
         factories = (communicator_factory(pg, target, _kind_on(facts, target)), cpu_communicator_factory(pg, target))
-        sizes = {"chunk_bytes": env_bytes("COMM_STAGING_CHUNK_BYTES", CHUNK_BYTES),
-                 "budget_bytes": env_bytes("COMM_STAGING_BUDGET_BYTES", BUDGET_BYTES)}
+        settings = {"chunk_bytes": env_bytes("COMM_STAGING_CHUNK_BYTES", CHUNK_BYTES),
+                 "budget_bytes": env_bytes("COMM_STAGING_BUDGET_BYTES", BUDGET_BYTES),
+                 "averages_integers": set(AVERAGES_INTEGERS)}
         timeout = group_timeout(pg, target, native)
         try:
             backend = native.staging_backend(pg.rank(), pg.size(), target, pg._get_backend(target), timeout,
-                                             *factories, **sizes)
+                                             *factories, **settings)
         except TypeError:  # the group's backend there is no c10d Backend comm can hold: comm's own for every thread
-            backend = native.staging_backend(pg.rank(), pg.size(), target, None, timeout, *factories, **sizes)
+            backend = native.staging_backend(pg.rank(), pg.size(), target, None, timeout, *factories, **settings)
         label = _free_label(facts)
         for device_type in missing:
             pg._register_backend(torch.device(device_type), label, backend)

@@ -128,13 +128,15 @@ def _integer_avg_on_a_communicator_named_nccl(rank, world_size):
     import datetime
 
     from comm._native import SIMULATED, STAGING
+    from comm.gaps import AVERAGES_INTEGERS
 
     store = dist.FileStore(__import__("os").environ["COMM_TEST_STORE"] + "-nccl", world_size)
     host = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=30))
     # blocking wait (1): the divide's error raises from wait() rather than going to the watchdog
     named_nccl = SIMULATED.load().make_backend(host, "nccl", {}, True, 1)
     staging = STAGING.load().staging_backend(rank, world_size, torch.device("npu", rank), None,
-                                             datetime.timedelta(seconds=30), lambda timeout: named_nccl)
+                                             datetime.timedelta(seconds=30), lambda timeout: named_nccl,
+                                             averages_integers=set(AVERAGES_INTEGERS))
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.AVG
     # gloo underneath then divides in floating point: its error, not comm's refusal, says AVG reached it.

@@ -12,19 +12,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "staging_backend",
       [](int rank, int size, c10::Device target, std::optional<BackendPtr> own, std::chrono::milliseconds timeout,
-         CommunicatorFactory factory, CommunicatorFactory cpuFactory, int64_t chunkBytes,
-         int64_t budgetBytes) -> BackendPtr {
+         CommunicatorFactory factory, CommunicatorFactory cpuFactory, int64_t chunkBytes, int64_t budgetBytes,
+         std::set<std::string> averagesIntegers) -> BackendPtr {
         return c10::make_intrusive<StagingBackend>(rank, size, target, own ? *own : BackendPtr(), std::move(factory),
-                                                   std::move(cpuFactory), chunkBytes, budgetBytes, timeout);
+                                                   std::move(cpuFactory), chunkBytes, budgetBytes, timeout,
+                                                   std::move(averagesIntegers));
       },
       pybind11::arg("rank"), pybind11::arg("size"), pybind11::arg("target"), pybind11::arg("own"),
       pybind11::arg("timeout"), pybind11::arg("communicator"), pybind11::arg("cpu_communicator") = pybind11::none(),
       pybind11::arg("chunk_bytes") = 0, pybind11::arg("budget_bytes") = 0,
+      pybind11::arg("averages_integers") = std::set<std::string>{},
       "A c10d Backend that stages each call onto `target` and runs it on `own` (the group's backend there) "
       "from the calling thread, on the backend `communicator(timeout)` makes from any other thread; CPU reductions "
       "of dtypes those cannot reduce run on the gloo backend `cpu_communicator(timeout)` makes. A host tensor's all-reduce "
       "of at least 2 x `chunk_bytes` runs pipelined in chunks of that size (0: never). A thread's staged collectives "
-      "hold at most about `budget_bytes` of device memory at once (0: no bound). `timeout`: the group's, which "
+      "hold at most about `budget_bytes` of device memory at once (0: no bound). An integer ReduceOp.AVG runs "
+      "where the communicator's backend is in `averages_integers`, and is refused elsewhere. `timeout`: the group's, which "
       "each factory is called with (as is a later set_timeout's).");
   m.def(
       "backend_timeout",

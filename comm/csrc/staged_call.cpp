@@ -44,8 +44,10 @@ Tensors views(const at::Tensor& flat, const Tensors& like) {
 
 } // namespace
 
-StagedCall::StagedCall(const char* name, at::Device target, int groupSize, c10d::Backend& communicator)
-    : name_(name), target_(target), groupSize_(groupSize), communicator_(communicator) {}
+StagedCall::StagedCall(const char* name, at::Device target, int groupSize, c10d::Backend& communicator,
+                       const std::set<std::string>& averagesIntegers)
+    : name_(name), target_(target), groupSize_(groupSize), communicator_(communicator),
+      averagesIntegers_(averagesIntegers) {}
 
 void StagedCall::noteSource(const at::Tensor& tensor) {
   if (!source_) source_ = tensor.device();
@@ -160,10 +162,7 @@ c10d::ReduceOp StagedCall::reduceOp(const c10d::ReduceOp& op, const Tensors& inp
     for (const auto& tensor : inputs) {
       if (!at::isIntegralType(tensor.scalar_type(), /*includeBool=*/true)) continue;
       auto backend = communicator_.getBackendName();
-      // NCCL averages integers itself (torch's ProcessGroupNCCL.cpp maps AVG to ncclAvg for every
-      // type but bool, which it refuses with its own message); so does HCCL, as Ascend's own
-      // tests assert of int32 and uint8 (test/distributed test_allreduce.py, *_avg).
-      if (backend == "nccl" || backend == "hccl") return op;
+      if (averagesIntegers_.count(backend) > 0) return op;
       // gloo divides in floating point (ProcessGroupGloo), where an integer tensor fails:
       // "result type Float can't be cast to the desired output type Long".
       TORCH_CHECK(false, "ReduceOp.AVG of ", tensor.scalar_type(), " tensors cannot be staged onto ", target_.str(),

@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -202,7 +203,9 @@ at::Tensor copyOnto(const at::Tensor& tensor, at::Device target);
 
 class StagedCall {
  public:
-  StagedCall(const char* name, at::Device target, int groupSize, c10d::Backend& communicator);
+  // `averagesIntegers`: the backends whose ReduceOp.AVG of integers is their own (comm/gaps.py).
+  StagedCall(const char* name, at::Device target, int groupSize, c10d::Backend& communicator,
+             const std::set<std::string>& averagesIntegers);
 
   // The communicator the call runs on.
   c10d::Backend& communicator() { return communicator_; }
@@ -234,7 +237,7 @@ class StagedCall {
   // becomes SUM, divided at the write-back; PREMUL_SUM becomes SUM of the copies
   // scaled first. Backends lack both (gloo has no PREMUL_SUM, some HCCL and XCCL parts
   // no AVG), and the copies are comm's to scale. An integer AVG goes to a communicator
-  // that averages integers itself (nccl), and is refused elsewhere.
+  // that averages integers itself (averagesIntegers), and is refused elsewhere.
   c10d::ReduceOp reduceOp(const c10d::ReduceOp& op, const Tensors& inputs);
   c10d::ReduceOp reduceOp(const c10d::ReduceOp& op, const at::Tensor& input) { return reduceOp(op, Tensors{input}); }
 
@@ -258,6 +261,7 @@ class StagedCall {
   at::Device target_;
   int groupSize_;
   c10d::Backend& communicator_;
+  const std::set<std::string>& averagesIntegers_;
   std::vector<Piece> pieces_;
   Tensors results_;
   int64_t divisor_ = 1;
@@ -287,12 +291,14 @@ class StagingBackend final : public c10d::Backend {
   // pipelined, in chunks of this size (0: never). `budgetBytes`: the device memory a
   // thread's staged calls may hold at once (setBudget). `timeout`: the group's; every
   // communicator comm makes takes it (and a later setTimeout's) when it is made.
+  // `averagesIntegers`: the backends whose ReduceOp.AVG of integers is their own, an
+  // integer, read from comm/gaps.py (AVERAGES_INTEGERS), the one place that says so.
   StagingBackend(int rank, int size, at::Device target, BackendPtr own, CommunicatorFactory factory,
                  CommunicatorFactory cpuFactory, int64_t chunkBytes, int64_t budgetBytes,
-                 std::chrono::milliseconds timeout);
+                 std::chrono::milliseconds timeout, std::set<std::string> averagesIntegers);
   // A backend split from another: every thread runs on `communicator`, comm's own.
   StagingBackend(int rank, int size, at::Device target, BackendPtr communicator, int64_t chunkBytes,
-                 int64_t budgetBytes, std::chrono::milliseconds timeout);
+                 int64_t budgetBytes, std::chrono::milliseconds timeout, std::set<std::string> averagesIntegers);
 
   const std::string getBackendName() const override { return "comm"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
@@ -457,6 +463,7 @@ class StagingBackend final : public c10d::Backend {
   std::optional<c10::Stream> writeBackStream_; // the group's thread's write-backs (waitStream)
   std::chrono::milliseconds timeout_;
   const int64_t chunkBytes_;
+  const std::set<std::string> averagesIntegers_;
   std::atomic<int64_t> budget_;
   // The staged collectives issued and not yet known to be waited for, oldest first, each with
   // the thread that issued it (makeRoom retires only that thread's).

@@ -14,15 +14,18 @@ namespace comm_native {
 
 StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr own, CommunicatorFactory factory,
                                CommunicatorFactory cpuFactory, int64_t chunkBytes, int64_t budgetBytes,
-                               std::chrono::milliseconds timeout)
+                               std::chrono::milliseconds timeout, std::set<std::string> averagesIntegers)
     : Backend(rank, size), target_(target), own_(std::move(own)), owner_(std::this_thread::get_id()),
       factory_(std::move(factory)), cpuFactory_(std::move(cpuFactory)), timeout_(timeout),
-      chunkBytes_(chunkBytes), budget_(budgetBytes), coalesces_(own_ && own_->supportsCoalescing()) {}
+      chunkBytes_(chunkBytes), averagesIntegers_(std::move(averagesIntegers)), budget_(budgetBytes),
+      coalesces_(own_ && own_->supportsCoalescing()) {}
 
 StagingBackend::StagingBackend(int rank, int size, at::Device target, BackendPtr communicator, int64_t chunkBytes,
-                               int64_t budgetBytes, std::chrono::milliseconds timeout)
+                               int64_t budgetBytes, std::chrono::milliseconds timeout,
+                               std::set<std::string> averagesIntegers)
     : Backend(rank, size), target_(target), owner_(std::this_thread::get_id()),
-      communicator_(std::move(communicator)), timeout_(timeout), chunkBytes_(chunkBytes), budget_(budgetBytes),
+      communicator_(std::move(communicator)), timeout_(timeout), chunkBytes_(chunkBytes),
+      averagesIntegers_(std::move(averagesIntegers)), budget_(budgetBytes),
       coalesces_(communicator_->supportsCoalescing()) {}
 
 at::Device StagingBackend::target() const {
@@ -180,7 +183,7 @@ StagingBackend::Issued StagingBackend::issue(const char* name, const std::functi
       break;
     }
   }
-  StagedCall call(name, target, getSize(), *comm);
+  StagedCall call(name, target, getSize(), *comm, averagesIntegers_);
   WorkPtr work;
   try {
     c10::OptionalStreamGuard guard(issueStream(onGroupsKind, target));
@@ -349,7 +352,8 @@ BackendPtr StagingBackend::split(const c10::intrusive_ptr<c10d::Store>& store, c
   auto part = comm.split(prefixed, ranks, comm.getBackendOptions());
   if (!part) return nullptr; // this rank is in none of the new groups
   auto timeout = opts ? opts->timeout : getBackendOptions()->timeout;
-  return c10::make_intrusive<StagingBackend>(part->getRank(), part->getSize(), target(), part, chunkBytes_, budget_, timeout);
+  return c10::make_intrusive<StagingBackend>(part->getRank(), part->getSize(), target(), part, chunkBytes_, budget_, timeout,
+                                          averagesIntegers_);
 }
 
 } // namespace comm_native
