@@ -91,6 +91,7 @@ def _async_broadcasts(rank, world_size, nbytes, calls):
 
         seen["peak"] = _device_peak(issue)
         seen["right"] = all(bool(torch.all(t == i)) for i, t in enumerate(tensors))
+        torch.npu.synchronize()  # a wait orders the device, not the host: its buffers go once the device has run
         torch.npu.empty_cache()
         seen["held after"] = (torch.npu.memory_allocated(), torch.npu.memory_reserved())
     return seen

@@ -13,6 +13,7 @@ aclrtMalloc respects and aclrtGetMemInfo reports). Rank 0 prints one line per me
 * ``reserved_after_empty_cache <bytes>``.
 """
 
+import functools
 import os
 
 import torch
@@ -49,11 +50,11 @@ def by_hand(tensor):
 dist.barrier()  # HCCL's communicator takes its buffer before anything is measured
 for size in (4, 16, 64, 256):
     tensor = torch.full((size * MiB // 4,), float(rank + 1))
-    report("peak", size, "staged", peak_of(lambda: dist.all_reduce(tensor)))
+    report("peak", size, "staged", peak_of(functools.partial(dist.all_reduce, tensor)))
     if not torch.all(tensor == total):
         report("wrong", size)
     tensor = torch.full((size * MiB // 4,), float(rank + 1))
-    report("peak", size, "by_hand", peak_of(lambda: by_hand(tensor)))
+    report("peak", size, "by_hand", peak_of(functools.partial(by_hand, tensor)))
     del tensor
 torch.npu.empty_cache()
 
