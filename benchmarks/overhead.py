@@ -209,13 +209,27 @@ def _with_sides(host_tensors: bool) -> Iterator[Tuple[str, int, int, Call, Call]
         yield row, timed, counted, sides[call], sides[f"staged {call}"]
 
 
+def _memory_peaks(call: Call) -> Tuple[int, int]:
+    """The device memory and the pinned host memory one ``call`` took at its peak, beyond what was held before."""
+    device = getattr(torch, comm.accelerator_type())
+    _settle()
+    device.reset_peak_memory_stats()
+    pinned = comm.testing.pinned_memory(reset_peak=True)["allocated"]
+    held = device.memory_allocated()
+    call()
+    torch.accelerator.synchronize()
+    return device.max_memory_allocated() - held, comm.testing.pinned_memory()["peak_allocated"] - pinned
+
+
 def staged_by_size(rank: int, host_tensors: bool) -> List[Dict[str, Any]]:
-    """Each collective at each of SIZES, the fix by hand against comm's staging (and the fix again)."""
+    """Each collective at each of SIZES, the fix by hand against comm's staging (and the fix again), and the memory
+    one call of each side holds at its peak."""
     comm.patch()
     rows = []
     for row, calls, _, by_hand, staged in _with_sides(host_tensors):
         timed = rotate([by_hand, staged, by_hand], calls, setups=[_settle] * 3, warmup=max(2, calls // 10))
-        rows.append(_row(row, timed))
+        memory = {"by hand memory": _memory_peaks(by_hand), "staged memory": _memory_peaks(staged)}
+        rows.append({**_row(row, timed), **memory})
     return rows
 
 
@@ -318,6 +332,10 @@ def _print_rows(title: str, label: str, rows: List[Dict[str, Any]], reference: s
               f" {row['control']:>7.3f}")
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f}"
+
+
 def _per_size(column: int) -> str:
     """SIZES' calls per side (column 1: timed, 2: counted), as "1 KiB: 400, ..."."""
     return ", ".join(f"{_size_name(size[0])}: {size[column]}" for size in SIZES)
@@ -337,10 +355,13 @@ def print_by_size(count: bool) -> None:
               f"{_per_size(1)}; instructions of the calling thread: {how}")
         label = "call, caller's tensor"
         print(f"{label:>32} {'by hand us':>12} {'staged us':>12} {'ratio':>7} {'A/A':>7}"
+              f" {'device MiB: hand/staged':>24} {'pinned MiB: hand/staged':>24}"
               f" {'by hand instr':>14} {'staged instr':>14} {'ratio':>7} {'A/A':>7}")
         for row in rows:
+            (hand_device, hand_pinned), (staged_device, staged_pinned) = row["by hand memory"], row["staged memory"]
             line = (f"{row['name']:>32} {row['torch_us']:>12.1f} {row['comm_us']:>12.1f} {row['ratio']:>7.3f}"
-                    f" {row['control']:>7.3f}")
+                    f" {row['control']:>7.3f} {_mib(hand_device) + ' / ' + _mib(staged_device):>24}"
+                    f" {_mib(hand_pinned) + ' / ' + _mib(staged_pinned):>24}")
             instr = counted.get(row["name"])
             if instr:
                 ratio = (instr["staged"] + instr["staged again"]) / (instr["by hand"] + instr["by hand again"])
