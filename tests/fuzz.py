@@ -47,6 +47,19 @@ FLOAT_TOLERANCE = {"float32": (1.3e-6, 1e-5), "float64": (1e-7, 1e-7), "bfloat16
                    "float16": (1e-3, 1e-3)}
 
 
+# Where the fuzzer draws around a known disagreement, rather than testing it: one row each, with why.
+# ``Case.excluded`` names the rows a case was redrawn by; tests/test_fuzz.py counts them per tier.
+EXCLUSIONS = {
+    "integer AVG of all_reduce_coalesced on gloo or nccl-like, drawn as SUM":
+        "torch's gloo averages integers in all_reduce_coalesced without refusing them, where comm refuses the "
+        "ranks it stages: the ranks would disagree and wait for each other (reported with issue 45)",
+    "ranks redrawn to agree on holding a served tensor":
+        "where a call is refused or run depending on whether a rank holds a tensor on the device the group's "
+        "backend serves (runs_where_served), ranks that differ wait for each other until the group's timeout, "
+        "not a refusal on every rank (reported with issue 45)",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One drawn call. ``devices[r]`` and ``layouts[r]``: rank r's tensors in slot order (see :func:`slots`)."""
@@ -68,6 +81,7 @@ class Case:
     sends_first: bool  # batch_isend_irecv: whether the isend comes first in each rank's list
     devices: Tuple[Tuple[str, ...], ...]  # per rank, per slot: "cpu" or "npu"
     layouts: Tuple[Tuple[str, ...], ...]
+    excluded: Tuple[str, ...] = ()  # the EXCLUSIONS rows this case was redrawn by
 
     @property
     def id(self) -> str:
@@ -224,17 +238,17 @@ def draw_case(seed: int, index: int, op_names: Sequence[str]) -> Case:
         async_op=rng.random() < 0.4, count=rng.randint(1, 3), sends_first=rng.random() < 0.5,
         root=0, rows=(), devices=(), layouts=())
     case = Case(**base)  # type: ignore[arg-type]
+    excluded = []
     if op == "all_reduce_coalesced" and case.dtype in INTEGERS and case.kind != "hccl" and case.reduce_op == "AVG":
-        # torch's gloo averages integers in all_reduce_coalesced without refusing them, where comm refuses the
-        # ranks it stages: the ranks would disagree and wait for each other (reported with issue 45).
+        excluded.append("integer AVG of all_reduce_coalesced on gloo or nccl-like, drawn as SUM")
         case = dataclasses.replace(case, reduce_op="SUM")
     size = len(case.group_ranks())
     uneven = op == "all_to_all_single" and rng.random() < 0.5
     rows = tuple(tuple(rng.randint(0, 2) if uneven else case.shape[0] for _ in range(size)) for _ in range(size))
     case = dataclasses.replace(case, root=rng.randrange(size) if op in ROOTED else 0, rows=rows)
     mixed = rng.random() < 0.5  # else one device for all of a rank's tensors
-    # Where a rank's call is refused or run depending on whether it holds a tensor on the served device (see
-    # runs_where_served), the ranks agree on that.
+    # EXCLUSIONS: where a rank's call is refused or run depending on whether it holds a tensor on the served
+    # device (see runs_where_served), the ranks agree on that.
     any_served = rng.random() < 0.5 if runs_where_served(case) else None
     served, staged = SERVED[case.kind], STAGED[case.kind]
     permutation = _draw_permutation(rng, op, case.shape)
@@ -246,13 +260,16 @@ def draw_case(seed: int, index: int, op_names: Sequence[str]) -> Case:
         first = rng.choice(["cpu", "npu"])
         drawn = [one_device or (rng.choice(["cpu", "npu"]) if mixed else first) for _ in range(count)]
         if any_served is False or any_served and count and served not in drawn:
-            drawn = [served if any_served and k == 0 else staged for k in range(count)]
+            agreeing = [served if any_served and k == 0 else staged for k in range(count)]
+            if agreeing != drawn and "ranks redrawn to agree on holding a served tensor" not in excluded:
+                excluded.append("ranks redrawn to agree on holding a served tensor")
+            drawn = agreeing
         devices.append(tuple(drawn))
         if permutation:  # on one device type: see _draw_permutation
             layouts.append(tuple(permutation for _ in drawn))
         else:  # a strided view only where comm stages it: see STAGED
             layouts.append(tuple(_draw_layout(rng, op in STRICT or device != STAGED[case.kind]) for device in drawn))
-    return dataclasses.replace(case, devices=tuple(devices), layouts=tuple(layouts))
+    return dataclasses.replace(case, devices=tuple(devices), layouts=tuple(layouts), excluded=tuple(excluded))
 
 
 def gloo_fallback(case: Case) -> bool:

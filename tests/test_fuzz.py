@@ -84,6 +84,29 @@ def test_thousands_of_cases():
     _check(_tier(*THOUSANDS))
 
 
+def exclusion_counts(cases: Sequence[fuzz.Case]) -> Dict[str, int]:
+    """How many of ``cases`` each row of fuzz.EXCLUSIONS redrew."""
+    counts = dict.fromkeys(fuzz.EXCLUSIONS, 0)
+    for case in cases:
+        for name in case.excluded:
+            counts[name] += 1
+    return counts
+
+
+def test_the_exclusions_are_counted():
+    """Every exclusion is in fuzz.EXCLUSIONS and redraws some of the integration tier's cases, none of them more
+    than a tenth: a row that redraws nothing is dead, one that redraws much hides too much. The counts, per tier,
+    are in docs/testing.md."""
+    for seed, count in (SLICE, THOUSANDS):
+        cases = _cases(seed, range(count))
+        counts = exclusion_counts(cases)
+        assert set(counts) == set(fuzz.EXCLUSIONS), counts
+        assert all(n <= count / 10 for n in counts.values()), counts
+        if (seed, count) == THOUSANDS:
+            assert all(n > 0 for n in counts.values()), counts
+        print(f"seed {seed}, {count} cases: {counts}")
+
+
 @pytest.mark.skipif(REPLAY not in os.environ, reason=f"replays the case {REPLAY}=seed:index names")
 def test_replay():
     seed, index = (int(part) for part in os.environ[REPLAY].split(":"))
