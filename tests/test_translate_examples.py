@@ -84,7 +84,10 @@ def test_cuda_trainer_on_two_simulated_npus():
     assert run.returncode == 0, run.stderr
     memory = _check_trainer(run.stdout, "npu:{rank}", "hccl")
     assert len(memory) == 4  # 2 ranks x 2 epochs
-    assert all(int(reserved) > 0 and int(after) == 0 for _, _, reserved, after in memory)  # the cache released
+    # The cache released: what stays reserved is the blocks still in use (the model's), as torch_npu's allocator keeps
+    # them, less than before and no less than what is allocated.
+    for allocated, peak, reserved, after in ([int(n) for n in line] for line in memory):
+        assert 0 < allocated <= peak and allocated <= after < reserved, (allocated, peak, reserved, after)
 
 
 def test_cuda_trainer_on_a_cpu_only_machine_and_without_comm():
