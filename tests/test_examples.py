@@ -120,6 +120,10 @@ def test_readme_example_runs_as_written(tmp_path, simulate):
     script = tmp_path / "train.py"
     script.write_text(readme_example())
     under = ["-m", "comm", "--simulate", "npu"] if simulate else []
-    result = _torchrun("--standalone", "--nproc-per-node", "2", *under, str(script))
+    # Each rank's stdout to a file of its own: two ranks' prints on one stream may interleave.
+    logs = tmp_path / "logs"
+    result = _torchrun("--standalone", "--nproc-per-node", "2", "--redirects", "1", "--log-dir", str(logs), *under,
+                       str(script))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(result.stdout.split("\n")) == ["", "0 [4.0, 4.0, 4.0, 4.0]", "1 [4.0, 4.0, 4.0, 4.0]"]
+    printed = sorted(path.read_text() for path in logs.rglob("stdout.log"))
+    assert printed == ["0 [4.0, 4.0, 4.0, 4.0]\n", "1 [4.0, 4.0, 4.0, 4.0]\n"], printed
