@@ -1,14 +1,12 @@
 """The one ledger of what comm replaces in torch, and how each is put back.
 
-Three parts of comm put objects of their own where torch's were: the drop-in mode
+Four parts of comm put objects of their own where torch's were: the drop-in mode
 (:mod:`comm.patch`: where c10d creates groups), the device translation
-(:mod:`comm.translate`: ``torch.cuda``, ``Tensor.to``, factories, ...) and an open
-profile (:mod:`comm.profiler`: torch.distributed's functions). Each calls
-:func:`replace` with its name as ``by`` and :func:`restore` with the same name to undo
-all it replaced, or some of it. One replacement stays outside it, for the life of the
-process: ``ProcessGroup._start_coalescing`` and ``_end_coalescing`` (:mod:`comm.slot`),
-put in place at the first equip, which act on equipped groups only and which groups
-already equipped go on needing after an unpatch.
+(:mod:`comm.translate`: ``torch.cuda``, ``Tensor.to``, factories, ...), an open
+profile (:mod:`comm.profiler`: torch.distributed's functions) and the slot
+(:mod:`comm.slot`: ``ProcessGroup._start_coalescing`` and ``_end_coalescing``, while a
+group comm equipped lives). Each calls :func:`replace` with its name as ``by`` and
+:func:`restore` with the same name to undo all it replaced, or some of it.
 
 An owner is a module, a class or a dict (``sys.modules``, a module's namespace). The
 ledger remembers the object each replacement displaced, or that a class only inherited

@@ -204,8 +204,8 @@ def _cache_root() -> Path:
 STAGING = Extension(
     "comm_staging",
     _SHARED,
-    ("calls.cpp", "staging_backend.cpp", "staged_call.cpp", "staged_work.cpp", "tallies.cpp", "mixed_devices.cpp",
-     "module.cpp"),
+    ("calls.cpp", "staging_backend.cpp", "coalescing.cpp", "staged_call.cpp", "staged_work.cpp", "tallies.cpp",
+     "mixed_devices.cpp", "module.cpp"),
     (_SHARED / "staging.h", _SHARED / "torch_releases.h"),
     "comm's staging backend",
     switch="COMM_STAGING",

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any, Dict, FrozenSet, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from comm import _ledger
 from comm._communicators import communicator_factory, cpu_communicator_factory, group_timeout
 from comm._env import env_bytes
 from comm._native import STAGING
@@ -69,14 +71,19 @@ GROUP_CREATION = ("torch.distributed.distributed_c10d", "_new_process_group_help
 
 _LOG = logging.getLogger("comm")
 _LOCK = threading.Lock()
+# Guards the following of coalescing blocks; reentrant: a group collected while it is held
+# (the garbage collector runs anywhere) calls _stop_following_coalescing_blocks.
+_LOCK_FOLLOWING = threading.RLock()
 _TYPE = dist.ProcessGroup.BackendType
 # The slot labels comm can take, in order of preference (see the module docstring).
 _LABELS = (_TYPE.CUSTOM, _TYPE.MPI, _TYPE.UCC)
 _BUILTIN_TYPES = {"gloo": _TYPE.GLOO, "nccl": _TYPE.NCCL, "xccl": _TYPE.XCCL, "ucc": _TYPE.UCC, "mpi": _TYPE.MPI}
 # Per group: whether equipped_once() has equipped it (False: comm's backend cannot be built here).
 _EQUIPPED = GroupCache()
-# Whether ProcessGroup's coalescing blocks are followed (_follow_coalescing_blocks).
-_FOLLOWING = False
+# Who holds ProcessGroup's coalescing methods in comm's ledger (comm._ledger), and the
+# groups comm equipped that are alive: while there is one, comm follows coalescing blocks.
+_FOLLOWS_BLOCKS = "comm.slot"
+_FOLLOWED_GROUPS: "Dict[int, weakref.finalize[Any, Any]]" = {}  # id(group) -> what forgets it once it is collected
 
 
 def unavailable_reason() -> Optional[str]:
@@ -120,43 +127,53 @@ def equip(group: Optional[dist.ProcessGroup] = None) -> FrozenSet[str]:
             pg._register_backend(torch.device(device_type), label, backend)
         pg._set_group_name(facts.name)  # c10d reads the name from the first backend by device type: put it back
         native.route_mixed_devices()
-        _follow_coalescing_blocks(native)
+        _follow_coalescing_blocks(pg, native)
         _LOG.info("comm stages %s on group %r onto %s", ", ".join(missing), facts.name, target)
         return _staged_on(pg)
 
 
-def _follow_coalescing_blocks(native: Any) -> None:
-    """Once per process: a coalescing block torch opens on a group's own backend reaches comm's backend too.
+def _follow_coalescing_blocks(pg: dist.ProcessGroup, native: Any) -> None:
+    """While ``pg`` lives: a coalescing block torch opens on an equipped group's own backend reaches comm's too.
 
     torch opens a block (``batch_isend_irecv``, ``_coalescing_manager(group, device)``) on
     the backend of one device type only, and its manager waits for the work that ends
     that block alone. Where that is the group's own backend, comm's calls on the other
     device type join the block (they run on that backend), and comm's backend, told
     here, hands their write-backs to the work that ends it. On groups comm has not
-    equipped both calls are torch's alone.
+    equipped both calls are torch's alone. ProcessGroup's two methods are replaced in
+    comm's ledger at the first equipped group and put back once no equipped group lives.
     """
-    global _FOLLOWING
-    if _FOLLOWING:
-        return
-    torch_start, torch_end = dist.ProcessGroup._start_coalescing, dist.ProcessGroup._end_coalescing
+    with _LOCK_FOLLOWING:
+        if id(pg) not in _FOLLOWED_GROUPS:
+            _FOLLOWED_GROUPS[id(pg)] = weakref.finalize(pg, _stop_following_coalescing_blocks, id(pg))
+        if _ledger.held(_FOLLOWS_BLOCKS):
+            return
+        torch_start, torch_end = dist.ProcessGroup._start_coalescing, dist.ProcessGroup._end_coalescing
 
-    def _start_coalescing(self: dist.ProcessGroup, device_type: torch.device) -> None:
-        torch_start(self, device_type)
-        native.follow_block(self, device_type)
+        def _start_coalescing(self: dist.ProcessGroup, device_type: torch.device) -> None:
+            torch_start(self, device_type)
+            native.follow_block(self, device_type)
 
-    def _end_coalescing(self: dist.ProcessGroup, device_type: torch.device) -> Any:
-        try:
-            ended = torch_end(self, device_type)
-        except BaseException:
-            native.close_block(self, device_type, None)  # not left in a dead block: the calls after it run apart
-            raise
-        return native.close_block(self, device_type, ended)
+        def _end_coalescing(self: dist.ProcessGroup, device_type: torch.device) -> Any:
+            try:
+                ended = torch_end(self, device_type)
+            except BaseException:
+                native.end_followed_block(self, device_type, None)  # not left in a dead block: later calls run apart
+                raise
+            return native.end_followed_block(self, device_type, ended)
 
-    _start_coalescing.__wrapped__ = torch_start  # type: ignore[attr-defined]
-    _end_coalescing.__wrapped__ = torch_end  # type: ignore[attr-defined]
-    dist.ProcessGroup._start_coalescing = _start_coalescing  # type: ignore[method-assign,assignment]
-    dist.ProcessGroup._end_coalescing = _end_coalescing  # type: ignore[method-assign,assignment]
-    _FOLLOWING = True
+        _start_coalescing.__wrapped__ = torch_start  # type: ignore[attr-defined]
+        _end_coalescing.__wrapped__ = torch_end  # type: ignore[attr-defined]
+        _ledger.replace(dist.ProcessGroup, "_start_coalescing", _start_coalescing, by=_FOLLOWS_BLOCKS)
+        _ledger.replace(dist.ProcessGroup, "_end_coalescing", _end_coalescing, by=_FOLLOWS_BLOCKS)
+
+
+def _stop_following_coalescing_blocks(key: int) -> None:
+    """An equipped group was collected: put torch's coalescing methods back where it was the last."""
+    with _LOCK_FOLLOWING:
+        _FOLLOWED_GROUPS.pop(key, None)
+        if not _FOLLOWED_GROUPS:
+            _ledger.restore(by=_FOLLOWS_BLOCKS)
 
 
 def existing_groups() -> List[dist.ProcessGroup]:

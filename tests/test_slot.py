@@ -497,3 +497,32 @@ def test_equip_leaves_a_group_without_backends_alone():
     """A ProcessGroup made bare (no backend, so no name: asking it raises) serves no device of this process's."""
     bare = dist.ProcessGroup(dist.HashStore(), 0, 1)
     assert comm.equip(bare) == frozenset()
+
+
+def _coalescing_methods_over_a_groups_life(rank, world_size):
+    """Who holds ProcessGroup's coalescing methods before, while and after an equipped group lives."""
+    import gc
+
+    from comm import _ledger
+
+    torchs = (vars(dist.ProcessGroup)["_start_coalescing"], vars(dist.ProcessGroup)["_end_coalescing"])
+
+    def held():
+        return (vars(dist.ProcessGroup)["_start_coalescing"], vars(dist.ProcessGroup)["_end_coalescing"])
+
+    seen = {"before": held() == torchs}
+    init_group("hccl", rank, world_size, device_id=torch.device("npu", rank))
+    comm.equip()
+    seen["while"] = [a is not b for a, b in zip(held(), torchs)]
+    seen["recorded"] = sorted(entry.name for entry in _ledger.entries() if entry.by == "comm.slot")
+    dist.destroy_process_group()
+    gc.collect()
+    seen["after"] = [a is b for a, b in zip(held(), torchs)]
+    return seen
+
+
+def test_torchs_coalescing_methods_are_comms_while_an_equipped_group_lives_and_torchs_again_after():
+    """Replaced through comm's ledger at the first equipped group, put back once the last is collected."""
+    [seen] = run_ranks(_coalescing_methods_over_a_groups_life, 1, backend=None, simulate=NPU)
+    assert seen == {"before": True, "while": [True, True], "recorded": ["_end_coalescing", "_start_coalescing"],
+                    "after": [True, True]}

@@ -44,11 +44,8 @@ Tensors StagingBackend::chunksOf(const Tensors& tensors) {
   const auto& tensor = tensors.front();
   auto chunk = std::max<int64_t>(1, chunkBytes_ / tensor.element_size());
   if (!tensor.device().is_cpu() || !tensor.is_contiguous() || tensor.numel() < 2 * chunk) return {};
-  communicator(); // fixes the target
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (target_.is_cpu() || inBlock()) return {};
-  }
+  fixTarget();
+  if (target().is_cpu() || block_.openHere()) return {};
   Tensors chunks;
   auto flat = tensor.view(-1);
   for (int64_t start = 0; start < flat.numel(); start += chunk) {

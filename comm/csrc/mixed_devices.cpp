@@ -194,7 +194,7 @@ void routeByDevices(const c10::OperatorHandle& op, c10::DispatchKeySet keys, tor
       // Inside the thread's coalescing block the call is the block's, as the staging
       // backend's calls are (StagingBackend::stage): the block's work completes it.
       WorkPtr staged = doneWork();
-      if (!staging->joinBlock(work, back)) {
+      if (!staging->block().join(work, back)) {
         staged = c10::make_intrusive<StagedWork>(std::vector<WorkPtr>{work},
                                                  std::vector<std::shared_ptr<WriteBack>>{back},
                                                  work->retrieveOpType());

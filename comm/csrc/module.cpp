@@ -77,21 +77,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "follow_block",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const c10::Device& device) {
-        if (auto* staging = followerOf(*group, device.type())) staging->followBlock();
+        if (auto* staging = stagingBesideOwn(*group, device.type())) staging->followBlock();
       },
       "torch opened a coalescing block on `group`'s own backend for `device` from this thread: comm's calls from "
       "this thread join it.");
   m.def(
-      "close_block",
+      "end_followed_block",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& group, const c10::Device& device,
-         std::optional<WorkPtr> work) -> std::optional<WorkPtr> {
-        auto* staging = followerOf(*group, device.type());
-        auto closed = staging != nullptr ? staging->closeFollowedBlock(work.value_or(WorkPtr())) : work.value_or(WorkPtr());
-        if (!closed) return std::nullopt;
-        return closed;
+         std::optional<WorkPtr> torchsWork) -> std::optional<WorkPtr> {
+        auto* staging = stagingBesideOwn(*group, device.type());
+        auto work = torchsWork.value_or(WorkPtr());
+        if (staging != nullptr) work = staging->endFollowedBlock(std::move(work));
+        if (!work) return std::nullopt;
+        return work;
       },
-      "The work that ends a block `follow_block` followed, given the one `group`'s own backend returned: it "
-      "completes comm's calls in the block too.");
+      "The work that ends a block `follow_block` followed, given the one `group`'s own backend returned (None "
+      "where it raised): it completes comm's calls in the block too.");
   m.def("route_mixed_devices", &routeMixedDevices,
         "Collectives whose tensors lie on the CPU and an accelerator stage on an equipped group's own backend.");
   m.def("tallies", []() {

@@ -155,9 +155,9 @@ void rethrowStaged(const std::string& what) {
 }
 
 StagedWork::StagedWork(std::vector<WorkPtr> inner, std::vector<std::shared_ptr<WriteBack>> backs, c10d::OpType type,
-                       std::optional<c10::Stream> stream, Tensors results, bool callerReads)
+                       std::optional<c10::Stream> stream, Tensors results, Completes completes)
     : Work(-1, type), inner_(std::move(inner)), backs_(std::move(backs)), stream_(stream),
-      results_(std::move(results)), callerReads_(callerReads) {
+      results_(std::move(results)), completes_(completes) {
   inner_.erase(std::remove(inner_.begin(), inner_.end(), WorkPtr()), inner_.end());
 }
 
@@ -222,45 +222,46 @@ Tensors StagedWork::result() {
   return all;
 }
 
-std::optional<c10::Stream> StagedWork::callersStream() const {
-  if (!callerReads_ || !stream_) return std::nullopt;
-  return c10::impl::getDeviceGuardImpl(stream_->device_type())->getStream(stream_->device());
+void StagedWork::waitInner(std::chrono::milliseconds timeout, bool copyEachBack) {
+  {
+    c10::OptionalStreamGuard guard(stream_); // the collective's wait() orders the stream the call was staged on
+    for (size_t i = 0; i < inner_.size(); ++i) {
+      try {
+        inner_[i]->wait(timeout);
+      } catch (...) {
+        rethrowStaged(backs_.at(std::min(i, backs_.size() - 1))->what());
+      }
+      // A chunk's copies back go as soon as its collective is waited for, beside the next
+      // collective; nothing reaches the caller's tensors until every work has succeeded.
+      if (copyEachBack) backs_[i]->copyBack();
+    }
+  }
+  orderCallersStream();
+}
+
+void StagedWork::orderCallersStream() {
+  if (completes_ != Completes::Block || !stream_) return;
+  // Through an event on stream_, not by waiting for each work again on the caller's stream:
+  // a communicator's work waited twice may wait for ever (gloo's send waits for a second send).
+  // Called outside stream_'s guard: the device's current stream is then the caller's.
+  const auto* impl = c10::impl::getDeviceGuardImpl(stream_->device_type());
+  c10::Event waited(stream_->device_type());
+  waited.record(*stream_);
+  waited.block(impl->getStream(stream_->device()));
 }
 
 void StagedWork::synchronize() {
-  auto caller = callersStream();
-  c10::OptionalStreamGuard guard(stream_);
-  for (auto& work : inner_) {
-    if (caller) {
-      c10::StreamGuard onCaller(*caller);
-      work->synchronize();
-    }
-    work->synchronize();
+  {
+    c10::OptionalStreamGuard guard(stream_);
+    for (auto& work : inner_) work->synchronize();
   }
+  orderCallersStream();
   releaseBuffers(/*recorded=*/true); // on stream_, which now waits for the collectives
 }
 
 bool StagedWork::wait(std::chrono::milliseconds timeout) {
   if (waited_) return true; // its results are written; a communicator's work waited twice may wait for ever
-  auto caller = callersStream();
-  c10::OptionalStreamGuard guard(stream_); // the collective's wait() orders the stream the call was staged on
-  // A chunked call's work i is chunk i's; a coalescing block's works are not its calls'
-  // one by one (calls that joined the communicator's block have none of their own).
-  bool paired = !callerReads_ && inner_.size() == backs_.size();
-  for (size_t i = 0; i < inner_.size(); ++i) {
-    try {
-      if (caller) {
-        c10::StreamGuard onCaller(*caller);
-        inner_[i]->wait(timeout);
-      }
-      inner_[i]->wait(timeout);
-    } catch (...) {
-      rethrowStaged(backs_.at(std::min(i, backs_.size() - 1))->what());
-    }
-    // A chunk's copies back go as soon as its collective is waited for, beside the next
-    // collective; nothing reaches the caller's tensors until every work has succeeded.
-    if (paired) backs_[i]->copyBack();
-  }
+  waitInner(timeout, /*copyEachBack=*/completes_ == Completes::Calls && inner_.size() == backs_.size());
   writeAll();
   releaseBuffers(/*recorded=*/true); // on stream_, which now waits for the collectives
   waited_ = true;

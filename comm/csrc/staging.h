@@ -12,10 +12,10 @@
 // completes (WriteBack).
 //
 // Files, by concept: calls.cpp (each c10d call: what it stages, what it calls),
-// staging_backend.cpp (the backend: its communicator, target, coalescing, the four
-// steps), staged_call.cpp (copies in, buffers out), staged_work.cpp (the work and the
-// write-back), tallies.cpp (what staging cost), mixed_devices.cpp (calls that mix device
-// types), module.cpp (Python).
+// staging_backend.cpp (the backend: its communicator, target, the four steps),
+// coalescing.cpp (coalescing blocks), staged_call.cpp (copies in, buffers out),
+// staged_work.cpp (the work and the write-back), tallies.cpp (what staging cost),
+// mixed_devices.cpp (calls that mix device types), module.cpp (Python).
 #pragma once
 
 #include <atomic>
@@ -134,16 +134,26 @@ class WriteBack {
 // the write-backs. Its future completes after the write-back, with the caller's tensors.
 class StagedWork final : public c10d::Work {
  public:
+  // What a work completes, which decides how its wait() goes.
+  enum class Completes {
+    // Staged calls: one call, or a chunked call's chunks. Where there are as many works as
+    // write-backs, each write-back belongs to the work beside it, and its copies back go as
+    // soon as that work is waited for.
+    Calls,
+    // A coalescing block (CoalescingBlock): the communicator's works are not the calls'
+    // one by one (calls that joined the communicator's block have none of their own), and
+    // the block may hold calls on the group's own devices, whose results the caller reads on
+    // its current stream: wait() orders that stream after the block too, as the group's
+    // own work would.
+    Block,
+  };
   // `stream`: the stream its wait() orders after the collectives and the copies back run
-  // on (StagingBackend::waitStream); none: the caller's current stream. Where there are
-  // as many works as write-backs, each write-back belongs to its work. `results`: the
-  // work's result, where it is not the write-backs' (a chunked call's whole tensor).
-  // `callerReads`: the works also wrote the caller's own tensors (a coalescing block's
-  // work, whose block holds calls on served devices too): wait() orders the caller's
-  // current stream after them as well, as the group's own work would. Null works (a
-  // call that joined a block returns none) are left out.
+  // on (StagingBackend::waitStream); none: the caller's current stream. `results`: the
+  // work's result, where it is not the write-backs' (a chunked call's whole tensor). Null
+  // works (a call that joined a block returns none) are left out.
   StagedWork(std::vector<WorkPtr> inner, std::vector<std::shared_ptr<WriteBack>> backs, c10d::OpType type,
-             std::optional<c10::Stream> stream = std::nullopt, Tensors results = {}, bool callerReads = false);
+             std::optional<c10::Stream> stream = std::nullopt, Tensors results = {},
+             Completes completes = Completes::Calls);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -174,15 +184,19 @@ class StagedWork final : public c10d::Work {
   // Whether a collective failed without raising from wait() (HCCL and NCCL with their
   // asynchronous error handling off): its work reports it once it has ended.
   bool failedQuietly();
-  // Where `callerReads`: the caller's current stream, which wait() orders after the
-  // works as well as `stream`; else none.
-  std::optional<c10::Stream> callersStream() const;
+  // Each communicator's work waited for once, on `stream_`; for a block, the caller's
+  // current stream is then ordered after `stream_`. Rethrows a work's error with what was
+  // staged. `copyEachBack`: each write-back's copies go as its work is waited for.
+  void waitInner(std::chrono::milliseconds timeout, bool copyEachBack);
+  // For a block, the caller's current stream waits for what `stream_` has been ordered
+  // after, as it would wait for the group's own work.
+  void orderCallersStream();
 
   std::vector<WorkPtr> inner_;
   std::vector<std::shared_ptr<WriteBack>> backs_;
   std::optional<c10::Stream> stream_;
   Tensors results_;
-  bool callerReads_;
+  Completes completes_;
   std::atomic<bool> waited_{false}; // a wait() returned: later waits return at once
   std::atomic<bool> futureMade_{false}; // getFuture() started a thread that waits for it
 };
@@ -268,6 +282,56 @@ class StagedCall {
   Tally copied_;
   std::optional<at::Device> source_;
   Tensors held_; // every device buffer made, for the write-back to hold (WriteBack::release)
+};
+
+// ---- coalescing.cpp: a coalescing block.
+//
+// torch opens a block on the backend of one device type (c10d's startCoalescing on that
+// slot) and waits for the one work that ends it (its coalescing manager, batch_isend_irecv).
+// comm's calls on the other device type inside it must complete with that work. A block is
+// comm's own where torch opened it on comm's slot (StagingBackend::startCoalescing), or
+// followed where torch opened it on the group's own backend (StagingBackend::followBlock).
+// It belongs to the thread that opened it, on that thread's communicator: calls from other
+// threads meanwhile run outside it. Each staging backend owns one; every verb on a block is here.
+class CoalescingBlock {
+ public:
+  // Opens the calling thread's block on `communicator`, abandoning an earlier one (one whose
+  // calls raised before its end: torch's coalescing manager then never ends it). `followed`:
+  // torch opened it on the group's own backend, and opens and ends that backend's block itself;
+  // else comm opens the communicator's block, where it coalesces.
+  void open(c10d::Backend& communicator, bool followed);
+  // Whether the calling thread has a block open; one torch opened on the group's own backend.
+  bool openHere() const;
+  bool followedHere() const;
+  // A staged call issued in the calling thread's block: its work (may be none) and write-back
+  // become the block's, completed by the work that ends it. False where no block is open here.
+  bool join(const WorkPtr& work, const std::shared_ptr<WriteBack>& back);
+  // Ends comm's own block: the work that waits for the communicator's block and every call
+  // that joined, its wait() ordered on `waitOn`. Refuses where the calling thread has none open.
+  WorkPtr end(std::optional<c10::Stream> waitOn);
+  // Ends a followed block, given the work torch's own endCoalescing returned (may be none):
+  // that work itself where comm staged nothing in the block.
+  WorkPtr endFollowed(WorkPtr torchsWork, std::optional<c10::Stream> waitOn);
+  // Forgets the open block, ending the communicator's block comm opened.
+  void abandon();
+
+ private:
+  struct Open {
+    std::thread::id thread;
+    c10d::Backend* communicator; // the opening thread's; held by the staging backend while it lives
+    bool followed;
+    bool opensCommunicators; // comm opened `communicator`'s block, and ends it
+    std::vector<WorkPtr> works; // every work a call in it returned, the CPU communicator's too
+    std::vector<std::shared_ptr<WriteBack>> backs;
+  };
+  // Whether the calling thread has the open block. Holds mutex_.
+  bool isCallers() const;
+  // The calling thread's open block of that kind, now closed; none where it has none.
+  std::optional<Open> take(bool followed);
+  static WorkPtr endingWork(Open block, std::optional<c10::Stream> waitOn);
+
+  mutable std::mutex mutex_;
+  std::optional<Open> open_;
 };
 
 // ---- staging_backend.cpp and calls.cpp: the backend.
@@ -358,22 +422,17 @@ class StagingBackend final : public c10d::Backend {
   void setBudget(int64_t bytes) { budget_ = bytes; }
   int64_t budget() const { return budget_; }
 
-  // Coalescing blocks. torch opens a block on the backend of one device type (c10d's
-  // startCoalescing on that slot); calls on the other type, comm's, must complete with
-  // the work that ends it, the only one torch's coalescing manager waits for. A block
-  // on comm's slot is comm's own (startCoalescing, endCoalescing above). A block torch
-  // opens on the group's own backend is followed: comm is told by ProcessGroup's
-  // _start_coalescing and _end_coalescing (comm/slot.py), and its staged calls from that
-  // thread run on the group's own backend, joining the block, until it ends.
+  // A block torch opened on the group's own backend, which comm follows (see
+  // CoalescingBlock): comm is told by ProcessGroup's _start_coalescing and _end_coalescing
+  // (comm/slot.py). followBlock: the calling thread opened one; its staged calls run on the
+  // group's own backend, joining it, until it ends. endFollowedBlock: `torchsWork` (may be
+  // none) is what the group's own backend's endCoalescing returned; the work that completes
+  // both the block and comm's calls in it.
   void followBlock();
-  // `blockWork`: what the group's own backend's endCoalescing returned (may be none). The
-  // work that completes both the block and comm's calls in it; `blockWork` itself where
-  // comm staged nothing in it.
-  WorkPtr closeFollowedBlock(WorkPtr blockWork);
-  // A call the mixed-device kernel issued on the group's own backend from the calling
-  // thread: where that thread has a block open, its work (may be none) and write-back
-  // join the block (the block's work completes them) and this returns true.
-  bool joinBlock(const WorkPtr& work, const std::shared_ptr<WriteBack>& back);
+  WorkPtr endFollowedBlock(WorkPtr torchsWork);
+  // The calling thread's coalescing block, if open: a call the mixed-device kernel issued
+  // on the group's own backend joins it (CoalescingBlock::join).
+  CoalescingBlock& block() { return block_; }
 
  private:
   // A reduction's facts that decide where it runs: its c10d function (the group's
@@ -419,11 +478,6 @@ class StagingBackend final : public c10d::Backend {
   // Whether the calling thread's staged calls run on the group's own backend: the group's
   // thread, and a thread inside a block it opened there (followBlock).
   bool onOwn() const;
-  // What ends a block: a work that waits for `works` and writes back `backs`.
-  WorkPtr blockWork(std::vector<WorkPtr> works, std::vector<std::shared_ptr<WriteBack>> backs);
-  // Forgets a block that raised before its end (torch's coalescing manager then never ends
-  // it), closing the communicator's block comm opened. Holds mutex_.
-  void abandonBlock();
   // comm's communicator for threads other than the group's; made at the first call.
   c10d::Backend& madeCommunicator();
   // The stream a staged call's copies in and its collective are issued on: none (the
@@ -473,23 +527,12 @@ class StagingBackend final : public c10d::Backend {
   };
   std::deque<InFlight> inFlight_;
   const bool coalesces_; // whether the communicator of the group's kind coalesces
-  // An open coalescing block: the thread's that opened it, on that thread's communicator
-  // (calls from other threads meanwhile run outside it), and what comm issued in it so far.
-  struct Block {
-    std::thread::id thread;
-    c10d::Backend* communicator = nullptr;
-    bool coalesces = false; // whether `communicator` holds the block's calls until its end
-    bool followed = false;  // opened by torch on the group's own backend (followBlock), not on comm's slot
-    std::vector<WorkPtr> works; // every work a call in it returned, the CPU communicator's too
-    std::vector<std::shared_ptr<WriteBack>> backs;
-  };
-  std::optional<Block> block_;
-  // Whether the calling thread has the open block. Holds mutex_.
-  bool inBlock() const { return block_ && block_->thread == std::this_thread::get_id(); }
+  CoalescingBlock block_; // guarded by its own mutex, which is taken after mutex_, never before
 };
 
-// comm's backend on `group` where the slot of `type` is the group's own; else null.
-StagingBackend* followerOf(c10d::ProcessGroup& group, c10::DeviceType type);
+// comm's staging backend on `group`, where the slot of `type` holds the group's own
+// backend (a block torch opens there is one comm follows); else null.
+StagingBackend* stagingBesideOwn(c10d::ProcessGroup& group, c10::DeviceType type);
 
 // From the first call on: a collective whose tensors lie on the CPU and an accelerator,
 // on a group comm has equipped, runs on the group's own backend with the CPU tensors

@@ -1,6 +1,6 @@
 // The staging backend itself: which communicator a thread's staged calls run on (the
 // group's own on the group's thread, comm's made one elsewhere), the target device fixed
-// at the first staged call; the four steps every call goes through; coalescing blocks; split.
+// at the first staged call; the four steps every call goes through; split.
 #include <algorithm>
 
 #include <c10/core/StreamGuard.h>
@@ -54,7 +54,7 @@ void StagingBackend::fixTarget() {
 
 bool StagingBackend::onOwn() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return own_ && (std::this_thread::get_id() == owner_ || (inBlock() && block_->followed));
+  return own_ && (std::this_thread::get_id() == owner_ || block_.followedHere());
 }
 
 c10d::Backend& StagingBackend::communicator() {
@@ -211,7 +211,7 @@ void StagingBackend::makeRoom() {
     c10::intrusive_ptr<StagedWork> oldest;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (budget_ <= 0 || inBlock()) return;
+      if (budget_ <= 0 || block_.openHere()) return;
       int64_t held = 0;
       for (auto entry = inFlight_.begin(); entry != inFlight_.end();) {
         auto work = entry->work.lock();
@@ -242,18 +242,15 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
                               const Reduction* reduction) {
   if (budgeted(type)) makeRoom();
   auto issued = issue(name, run, reduction);
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (inBlock()) {
+  if (block_.join(issued.work, issued.back)) {
     // The call is the block's: the work that ends the block waits for it and writes it
-    // back, the one work torch's coalescing manager waits for. Its own work is done at
-    // once: where the communicator coalesces it has not run yet (nccl returns no work,
-    // hccl none for point-to-point), so a wait now must write nothing; and a work waited
-    // twice may wait for ever (gloo's send waits for a second send).
-    block_->backs.push_back(issued.back);
-    if (issued.work) block_->works.push_back(issued.work);
+    // back, the one work torch's coalescing manager waits for. The work returned here is
+    // done at once: where the communicator coalesces, the call has not run yet (nccl returns
+    // no work, hccl none for point-to-point), so a wait now must write nothing; and the
+    // communicator's work is the block's to wait for, once (a work waited twice may wait
+    // for ever: gloo's send waits for a second send).
     return doneWork();
   }
-  lock.unlock();
   std::vector<WorkPtr> works;
   if (issued.work) works.push_back(issued.work);
   auto work = c10::make_intrusive<StagedWork>(std::move(works), std::vector<std::shared_ptr<WriteBack>>{issued.back},
@@ -262,78 +259,30 @@ WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::fu
   return work;
 }
 
-void StagingBackend::abandonBlock() {
-  if (!block_) return;
-  if (block_->coalesces && !block_->followed) block_->communicator->endCoalescing();
-  block_.reset();
-}
-
 void StagingBackend::startCoalescing() {
   // The block is the calling thread's, on its communicator: on the group's thread the
   // group's own backend, whose block then holds these calls as it would the group's own.
-  auto& comm = communicator();
-  std::lock_guard<std::mutex> lock(mutex_);
-  abandonBlock();
-  block_ = Block{std::this_thread::get_id(), &comm, comm.supportsCoalescing(), /*followed=*/false, {}, {}};
-  if (block_->coalesces) comm.startCoalescing();
+  block_.open(communicator(), /*followed=*/false);
 }
 
 WorkPtr StagingBackend::endCoalescing() {
-  Block block;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(block_ && !block_->followed, "comm's staging backend: endCoalescing without startCoalescing");
-    block = std::move(*block_);
-    block_.reset();
-  }
-  if (block.coalesces) {
-    // One work for the calls that joined the communicator's block, or none where none
-    // joined (HCCL's plain calls run outside its block, each with a work of its own).
-    if (auto work = block.communicator->endCoalescing()) block.works.push_back(work);
-  }
-  if (block.backs.empty()) {
-    block.backs.push_back(std::make_shared<WriteBack>(
-        "coalesced", [] { return std::string("comm staged nothing"); }, std::vector<Piece>{}, Tensors{}, 1, Tensors{}));
-  }
-  return blockWork(std::move(block.works), std::move(block.backs));
+  return block_.end(waitStream(true, target()));
 }
 
 void StagingBackend::followBlock() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  abandonBlock();
   // Without the group's own backend comm's calls never run there: there is nothing to join.
-  if (own_) block_ = Block{std::this_thread::get_id(), own_.get(), true, /*followed=*/true, {}, {}};
-}
-
-WorkPtr StagingBackend::closeFollowedBlock(WorkPtr blockWork) {
-  Block block;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!inBlock() || !block_->followed) return blockWork;
-    block = std::move(*block_);
-    block_.reset();
+  if (own_) {
+    block_.open(*own_, /*followed=*/true);
+  } else {
+    block_.abandon();
   }
-  if (block.backs.empty()) return blockWork; // comm staged nothing in it: torch's work as it is
-  if (blockWork) block.works.push_back(blockWork);
-  return this->blockWork(std::move(block.works), std::move(block.backs));
 }
 
-bool StagingBackend::joinBlock(const WorkPtr& work, const std::shared_ptr<WriteBack>& back) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!inBlock()) return false;
-  block_->backs.push_back(back);
-  if (work) block_->works.push_back(work);
-  return true;
+WorkPtr StagingBackend::endFollowedBlock(WorkPtr torchsWork) {
+  return block_.endFollowed(std::move(torchsWork), waitStream(true, target()));
 }
 
-WorkPtr StagingBackend::blockWork(std::vector<WorkPtr> works, std::vector<std::shared_ptr<WriteBack>> backs) {
-  // The block may hold calls on the group's own devices, whose results the caller reads
-  // on its current stream: the work orders that stream after the block too.
-  return c10::make_intrusive<StagedWork>(std::move(works), std::move(backs), c10d::OpType::COALESCED,
-                                         waitStream(true, target()), Tensors{}, /*callerReads=*/true);
-}
-
-StagingBackend* followerOf(c10d::ProcessGroup& group, c10::DeviceType type) {
+StagingBackend* stagingBesideOwn(c10d::ProcessGroup& group, c10::DeviceType type) {
   if (!group.hasBackends() || dynamic_cast<StagingBackend*>(group.getBackend(type).get()) != nullptr) return nullptr;
   for (const auto& device : group.getDeviceTypes()) {
     if (auto* staging = dynamic_cast<StagingBackend*>(group.getBackend(device.type()).get())) return staging;
