@@ -24,7 +24,9 @@ import comm
 
 from multiproc import SEED_ERROR, quiet_env, skip_unless_simulation
 
-pytestmark = pytest.mark.skipif(comm.unavailable_reason() is not None, reason=str(comm.unavailable_reason()))
+# Whole programs under torchrun, plainly and under -m comm: the integration tier (docs/testing.md).
+pytestmark = [pytest.mark.skipif(comm.unavailable_reason() is not None, reason=str(comm.unavailable_reason())),
+              pytest.mark.integration]
 
 RUNNER = str(Path(__file__).resolve().parent / "clip_cases.py")
 # Plain torch cannot reduce the norm of CPU-offloaded gradients on an hccl group: the second seed.
@@ -68,7 +70,6 @@ def test_every_clip_case_under_comm_on_simulated_npus_is_plain_torchs():
     assert not differences(on_the_cpu, under_comm), differences(on_the_cpu, under_comm)
 
 
-@pytest.mark.integration
 def test_the_tier_tells_comms_own_clip_from_torchs():
     """Not vacuous: comm.clip_grad_norm_ in torch's place differs where its documented extensions do."""
     plain = described(RUNNER)

@@ -49,6 +49,7 @@ def differences(reference: dict, under_comm: dict) -> str:
                      for name in reference if reference[name] != under_comm[name])
 
 
+@pytest.mark.integration  # whole programs, plainly and under python -m comm (docs/testing.md)
 @pytest.mark.parametrize("target", ["cpu", "npu"])
 def test_every_idiom_under_comm_gives_what_plain_torch_gives(target):
     """Each idiom under ``-m comm`` (CPU) or ``-m comm --simulate npu`` against its plain reference on that target."""
