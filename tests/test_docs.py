@@ -1,4 +1,5 @@
-"""README.md and docs/*.md say only what exists: links, make targets, modules and comm's names.
+"""README.md and docs/*.md say only what exists: links, make targets, modules and comm's names; nothing in the
+project cites a file outside it.
 
 Fast and in-process: it reads files and resolves modules without importing them (except `comm`
 itself, for the API summary).
@@ -176,6 +177,37 @@ def test_every_comm_name_in_the_api_summary_exists():
     assert missing == []
 
 
+# Places a reader of this repository cannot open: the folders beside a checkout on the machine the
+# project is developed on (its notes, its tools), named by a path that climbs out or is absolute.
+OUTSIDE = re.compile(r"(?:\.\./)+shared\b|(?<![\w.])/work/|\.\./\.library\b")
+# What the project is made of: its code, tests, docs, examples, benchmarks and top-level files.
+CITING = ("comm", "tests", "docs", "examples", "benchmarks")
+CITING_SUFFIXES = {".py", ".md", ".cpp", ".h", ".cfg", ".toml", ".txt", ".sh", ".yaml", ".yml"}
+
+
+def project_files() -> Iterator[Path]:
+    for path in sorted(ROOT.iterdir()):
+        if path.is_file() and (path.suffix in CITING_SUFFIXES or path.name == "Makefile"):
+            yield path
+    for folder in CITING:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.is_file() and path.suffix in CITING_SUFFIXES and "__pycache__" not in path.parts:
+                yield path
+
+
+def outside_citations(path: Path) -> List[str]:
+    """Each line of ``path`` that names a file outside the repository, as ``path:line: text``."""
+    lines = path.read_text(errors="replace").splitlines()
+    return [f"{_rel(path)}:{number}: {line.strip()}" for number, line in enumerate(lines, 1) if OUTSIDE.search(line)]
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    """Code, tests and docs cite public sources (repository, commit, path, line), never notes beside a checkout."""
+    checked = [path for path in project_files() if path != Path(__file__).resolve()]  # this file holds the patterns
+    assert len(checked) > 100
+    assert [hit for path in checked for hit in outside_citations(path)] == []
+
+
 # The checks themselves: each finds what it is for.
 
 
@@ -189,3 +221,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert "no-such-target" not in make_targets() and "test" in make_targets()
     with pytest.raises(AttributeError):
         resolve("no_such_name")
+    cited = tmp_path / "cited.cpp"
+    cited.write_text("// as ../shared/reference/notes.md says\n// torch.library.Library is fine\n"
+                     "// see /work/main/comm\n")
+    assert [hit.split(": ")[0] for hit in outside_citations(cited)] == ["cited.cpp:1", "cited.cpp:3"]

@@ -39,119 +39,49 @@ TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFallthrough());
 }
 
+// The operators of each policy, in torch_npu's order: one table per policy, written as torch
+// writes its own (AT_FORALL_FP32 and its kin in ATen/autocast_mode.h), each entry `_(op)` or
+// `_(op, overload)`.
+// lower_precision_fp: run in the autocast dtype.
+#define NPU_AUTOCAST_LOWER_PRECISION_FP(_) \
+  _(_convolution, deprecated) _(_convolution) _(conv1d) _(conv2d) _(conv3d) _(conv_tbc) _(conv_transpose1d) \
+  _(conv_transpose2d, input) _(conv_transpose3d, input) _(convolution) _(cudnn_convolution) \
+  _(cudnn_convolution_transpose) _(prelu) _(addmm) _(addmv) _(addr) _(matmul) _(einsum) _(mm) _(mv) _(linear) \
+  _(addbmm) _(baddbmm) _(bmm) _(chain_matmul) _(linalg_multi_dot) _(_thnn_fused_lstm_cell) \
+  _(_thnn_fused_gru_cell) _(lstm_cell) _(gru_cell) _(rnn_tanh_cell) _(rnn_relu_cell) \
+  _(_scaled_dot_product_flash_attention) _(scaled_dot_product_attention)
+
+// fp32: run in float32.
+#define NPU_AUTOCAST_FP32(_) \
+  _(acos) _(asin) _(cosh) _(erfinv) _(exp) _(expm1) _(log) _(log10) _(log2) _(log1p) _(reciprocal) _(rsqrt) \
+  _(sinh) _(tan) _(pow, Tensor_Scalar) _(pow, Tensor_Tensor) _(pow, Scalar) _(softplus) _(layer_norm) \
+  _(native_layer_norm) _(group_norm) _(frobenius_norm, dim) _(nuclear_norm) _(nuclear_norm, dim) \
+  _(cosine_similarity) _(poisson_nll_loss) _(cosine_embedding_loss) _(nll_loss) _(nll_loss2d) \
+  _(hinge_embedding_loss) _(kl_div) _(l1_loss) _(smooth_l1_loss) _(huber_loss) _(mse_loss) \
+  _(margin_ranking_loss) _(multilabel_margin_loss) _(soft_margin_loss) _(triplet_margin_loss) \
+  _(multi_margin_loss) _(binary_cross_entropy_with_logits) _(dist) _(pdist) _(cdist) _(renorm) _(logsumexp)
+
+// fp32_set_opt_dtype: float32, unless the caller chose a dtype.
+#define NPU_AUTOCAST_FP32_SET_OPT_DTYPE(_) \
+  _(prod) _(prod, dim_int) _(softmax, int) _(log_softmax, int) _(cumprod) _(cumsum) _(linalg_vector_norm) \
+  _(linalg_matrix_norm) _(linalg_matrix_norm, str_ord) _(sum) _(sum, dim_IntList)
+
+// promote: the widest of the inputs' dtypes.
+#define NPU_AUTOCAST_PROMOTE(_) \
+  _(addcdiv) _(addcmul) _(atan2) _(bilinear) _(cross) _(dot) _(grid_sampler) _(index_put) _(tensordot) \
+  _(scatter_add)
+
 TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
-  // lower_precision_fp: run in the autocast dtype.
-  KERNEL_PRIVATEUSEONE(_convolution, deprecated, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(_convolution, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(conv1d, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(conv2d, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(conv3d, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(conv_tbc, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(conv_transpose1d, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(conv_transpose2d, input, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(conv_transpose3d, input, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(convolution, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(cudnn_convolution, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(cudnn_convolution_transpose, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(prelu, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(addmm, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(addmv, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(addr, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(matmul, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(einsum, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(mm, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(mv, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(linear, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(addbmm, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(baddbmm, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(bmm, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(chain_matmul, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(linalg_multi_dot, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(_thnn_fused_lstm_cell, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(_thnn_fused_gru_cell, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(lstm_cell, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(gru_cell, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(rnn_tanh_cell, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(rnn_relu_cell, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(_scaled_dot_product_flash_attention, lower_precision_fp)
-  KERNEL_PRIVATEUSEONE(scaled_dot_product_attention, lower_precision_fp)
-
-  // fp32: run in float32.
-  KERNEL_PRIVATEUSEONE(acos, fp32)
-  KERNEL_PRIVATEUSEONE(asin, fp32)
-  KERNEL_PRIVATEUSEONE(cosh, fp32)
-  KERNEL_PRIVATEUSEONE(erfinv, fp32)
-  KERNEL_PRIVATEUSEONE(exp, fp32)
-  KERNEL_PRIVATEUSEONE(expm1, fp32)
-  KERNEL_PRIVATEUSEONE(log, fp32)
-  KERNEL_PRIVATEUSEONE(log10, fp32)
-  KERNEL_PRIVATEUSEONE(log2, fp32)
-  KERNEL_PRIVATEUSEONE(log1p, fp32)
-  KERNEL_PRIVATEUSEONE(reciprocal, fp32)
-  KERNEL_PRIVATEUSEONE(rsqrt, fp32)
-  KERNEL_PRIVATEUSEONE(sinh, fp32)
-  KERNEL_PRIVATEUSEONE(tan, fp32)
-  KERNEL_PRIVATEUSEONE(pow, Tensor_Scalar, fp32)
-  KERNEL_PRIVATEUSEONE(pow, Tensor_Tensor, fp32)
-  KERNEL_PRIVATEUSEONE(pow, Scalar, fp32)
-  KERNEL_PRIVATEUSEONE(softplus, fp32)
-  KERNEL_PRIVATEUSEONE(layer_norm, fp32)
-  KERNEL_PRIVATEUSEONE(native_layer_norm, fp32)
-  KERNEL_PRIVATEUSEONE(group_norm, fp32)
-  KERNEL_PRIVATEUSEONE(frobenius_norm, dim, fp32)
-  KERNEL_PRIVATEUSEONE(nuclear_norm, fp32)
-  KERNEL_PRIVATEUSEONE(nuclear_norm, dim, fp32)
-  KERNEL_PRIVATEUSEONE(cosine_similarity, fp32)
-  KERNEL_PRIVATEUSEONE(poisson_nll_loss, fp32)
-  KERNEL_PRIVATEUSEONE(cosine_embedding_loss, fp32)
-  KERNEL_PRIVATEUSEONE(nll_loss, fp32)
-  KERNEL_PRIVATEUSEONE(nll_loss2d, fp32)
-  KERNEL_PRIVATEUSEONE(hinge_embedding_loss, fp32)
-  KERNEL_PRIVATEUSEONE(kl_div, fp32)
-  KERNEL_PRIVATEUSEONE(l1_loss, fp32)
-  KERNEL_PRIVATEUSEONE(smooth_l1_loss, fp32)
-  KERNEL_PRIVATEUSEONE(huber_loss, fp32)
-  KERNEL_PRIVATEUSEONE(mse_loss, fp32)
-  KERNEL_PRIVATEUSEONE(margin_ranking_loss, fp32)
-  KERNEL_PRIVATEUSEONE(multilabel_margin_loss, fp32)
-  KERNEL_PRIVATEUSEONE(soft_margin_loss, fp32)
-  KERNEL_PRIVATEUSEONE(triplet_margin_loss, fp32)
-  KERNEL_PRIVATEUSEONE(multi_margin_loss, fp32)
-  KERNEL_PRIVATEUSEONE(binary_cross_entropy_with_logits, fp32)
-  KERNEL_PRIVATEUSEONE(dist, fp32)
-  KERNEL_PRIVATEUSEONE(pdist, fp32)
-  KERNEL_PRIVATEUSEONE(cdist, fp32)
-  KERNEL_PRIVATEUSEONE(renorm, fp32)
-  KERNEL_PRIVATEUSEONE(logsumexp, fp32)
-
-  // fp32_set_opt_dtype: float32, unless the caller chose a dtype.
-  KERNEL_PRIVATEUSEONE(prod, fp32_set_opt_dtype)
-  KERNEL_PRIVATEUSEONE(prod, dim_int, fp32_set_opt_dtype)
-  KERNEL_PRIVATEUSEONE(softmax, int, fp32_set_opt_dtype)
-  KERNEL_PRIVATEUSEONE(log_softmax, int, fp32_set_opt_dtype)
-  KERNEL_PRIVATEUSEONE(cumprod, fp32_set_opt_dtype)
-  KERNEL_PRIVATEUSEONE(cumsum, fp32_set_opt_dtype)
-  KERNEL_PRIVATEUSEONE(linalg_vector_norm, fp32_set_opt_dtype)
-  KERNEL_PRIVATEUSEONE(linalg_matrix_norm, fp32_set_opt_dtype)
-  KERNEL_PRIVATEUSEONE(linalg_matrix_norm, str_ord, fp32_set_opt_dtype)
-  KERNEL_PRIVATEUSEONE(sum, fp32_set_opt_dtype)
-  KERNEL_PRIVATEUSEONE(sum, dim_IntList, fp32_set_opt_dtype)
-
-  // fp32_append_dtype: norm, redispatched with a float32 dtype.
+#define REGISTER_LOWER_PRECISION_FP(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+#define REGISTER_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+#define REGISTER_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+#define REGISTER_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+  NPU_AUTOCAST_LOWER_PRECISION_FP(REGISTER_LOWER_PRECISION_FP)
+  NPU_AUTOCAST_FP32(REGISTER_FP32)
+  NPU_AUTOCAST_FP32_SET_OPT_DTYPE(REGISTER_FP32_SET_OPT_DTYPE)
+  // fp32_append_dtype: norm, redispatched with a float32 dtype (torch's own table).
   AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
-
-  // promote: the widest of the inputs' dtypes.
-  KERNEL_PRIVATEUSEONE(addcdiv, promote)
-  KERNEL_PRIVATEUSEONE(addcmul, promote)
-  KERNEL_PRIVATEUSEONE(atan2, promote)
-  KERNEL_PRIVATEUSEONE(bilinear, promote)
-  KERNEL_PRIVATEUSEONE(cross, promote)
-  KERNEL_PRIVATEUSEONE(dot, promote)
-  KERNEL_PRIVATEUSEONE(grid_sampler, promote)
-  KERNEL_PRIVATEUSEONE(index_put, promote)
-  KERNEL_PRIVATEUSEONE(tensordot, promote)
-  KERNEL_PRIVATEUSEONE(scatter_add, promote)
-
+  NPU_AUTOCAST_PROMOTE(REGISTER_PROMOTE)
   m.impl(TORCH_SELECTIVE_NAME("aten::binary_cross_entropy"), TORCH_FN((&binary_cross_entropy_banned)));
 }
 
