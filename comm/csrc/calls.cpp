@@ -31,12 +31,15 @@ WorkPtr allreduceCopies(StagedCall& call, Tensors copies, const c10d::AllreduceO
 } // namespace
 
 WorkPtr StagingBackend::broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) {
-  return stage("broadcast", c10d::OpType::BROADCAST, [&](StagedCall& call) {
+  auto send = [&](StagedCall& call, Tensors& part) {
     // The source's tensors are only read: nothing comes back to them. The other ranks'
     // are only written, whole: buffers, with nothing copied in (as the fix by hand does).
-    auto copies = getRank() == opts.rootRank ? call.inReported(tensors) : call.out(tensors);
+    auto copies = getRank() == opts.rootRank ? call.inReported(part) : call.out(part);
     return call.communicator().broadcast(copies, opts);
-  });
+  };
+  auto chunks = chunksOf(tensors);
+  if (!chunks.empty()) return stageChunks("broadcast", c10d::OpType::BROADCAST, tensors, chunks, nullptr, send);
+  return stage("broadcast", c10d::OpType::BROADCAST, [&](StagedCall& call) { return send(call, tensors); });
 }
 
 Tensors StagingBackend::chunksOf(const Tensors& tensors) {
@@ -54,17 +57,8 @@ Tensors StagingBackend::chunksOf(const Tensors& tensors) {
   return chunks;
 }
 
-WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
-  auto chunks = chunksOf(tensors);
-  if (chunks.empty()) {
-    Reduction reduction{"allreduce", tensors};
-    return stage("all_reduce", c10d::OpType::ALLREDUCE,
-                 [&](StagedCall& call) { return allreduceCopies(call, call.inOut(tensors), opts); }, &reduction);
-  }
-  // At most `depth` chunks on the device at once: before chunk i is copied in, chunk
-  // i - depth is waited for, written back and its buffers handed back, for chunk i to take.
-  // The caller's tensor is thus written chunk by chunk: a chunk that fails leaves the
-  // earlier ones reduced, as the served in-place all-reduce leaves whatever it wrote.
+WorkPtr StagingBackend::stageChunks(const char* name, c10d::OpType type, Tensors& tensors, const Tensors& chunks,
+                                    const char* reduction, const std::function<WorkPtr(StagedCall&, Tensors&)>& run) {
   auto budget = this->budget();
   auto depth = budget > 0 ? std::max<size_t>(1, static_cast<size_t>(budget / chunkBytes_)) : chunks.size();
   makeRoom();
@@ -74,16 +68,15 @@ WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions
   for (size_t i = 0; i < chunks.size(); ++i) {
     if (i >= depth) {
       c10::make_intrusive<StagedWork>(std::vector<WorkPtr>{works[i - depth]},
-                                      std::vector<std::shared_ptr<WriteBack>>{backs[i - depth]},
-                                      c10d::OpType::ALLREDUCE, waitOn)
+                                      std::vector<std::shared_ptr<WriteBack>>{backs[i - depth]}, type, waitOn)
           ->retire();
       works[i - depth].reset(); // the communicator's work may hold the chunk's copy
       backs[i - depth].reset();
     }
     Tensors part{chunks[i]};
-    Reduction reduction{"allreduce", part};
-    auto issued = issue("all_reduce", [&](StagedCall& call) { return allreduceCopies(call, call.inOut(part), opts); },
-                        &reduction);
+    Reduction partReduction{reduction, part};
+    auto issued = issue(name, [&](StagedCall& call) { return run(call, part); },
+                        reduction != nullptr ? &partReduction : nullptr);
     works.push_back(issued.work);
     backs.push_back(issued.back);
     waitOn = issued.waitOn;
@@ -92,9 +85,18 @@ WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions
   auto first = chunks.size() > depth ? chunks.size() - depth : 0;
   auto work = c10::make_intrusive<StagedWork>(std::vector<WorkPtr>(works.begin() + first, works.end()),
                                               std::vector<std::shared_ptr<WriteBack>>(backs.begin() + first, backs.end()),
-                                              c10d::OpType::ALLREDUCE, waitOn, tensors);
+                                              type, waitOn, tensors);
   track(work);
   return work;
+}
+
+WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
+  auto reduce = [&](StagedCall& call, Tensors& part) { return allreduceCopies(call, call.inOut(part), opts); };
+  auto chunks = chunksOf(tensors);
+  if (!chunks.empty()) return stageChunks("all_reduce", c10d::OpType::ALLREDUCE, tensors, chunks, "allreduce", reduce);
+  Reduction reduction{"allreduce", tensors};
+  return stage("all_reduce", c10d::OpType::ALLREDUCE, [&](StagedCall& call) { return reduce(call, tensors); },
+               &reduction);
 }
 
 WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
@@ -110,13 +112,16 @@ WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::Allred
 }
 
 WorkPtr StagingBackend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts) {
-  Reduction reduction{"reduce", tensors};
-  return stage("reduce", c10d::OpType::REDUCE, [&](StagedCall& call) {
+  auto reduceTo = [&](StagedCall& call, Tensors& part) {
     // Only the destination's tensors are written.
-    auto copies = getRank() == opts.rootRank ? call.inOut(tensors) : call.inReported(tensors);
+    auto copies = getRank() == opts.rootRank ? call.inOut(part) : call.inReported(part);
     auto options = reducing(call, opts, copies);
     return call.communicator().reduce(copies, options);
-  }, &reduction);
+  };
+  auto chunks = chunksOf(tensors);
+  if (!chunks.empty()) return stageChunks("reduce", c10d::OpType::REDUCE, tensors, chunks, "reduce", reduceTo);
+  Reduction reduction{"reduce", tensors};
+  return stage("reduce", c10d::OpType::REDUCE, [&](StagedCall& call) { return reduceTo(call, tensors); }, &reduction);
 }
 
 WorkPtr StagingBackend::allgather(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {

@@ -449,7 +449,8 @@ class StagingBackend final : public c10d::Backend {
   WorkPtr stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run,
                 const Reduction* reduction = nullptr);
   // Before a staged collective copies anything in: retires the calling thread's earlier
-  // staged collectives, oldest first, while what they hold reaches the budget.
+  // staged collectives, oldest first, while what they held when issued, of those not yet
+  // retired or dropped, reaches the budget (one waited for already is dropped without a wait).
   void makeRoom();
   // Counts `work` against the calling thread's budget until it is waited for.
   void track(const c10::intrusive_ptr<StagedWork>& work);
@@ -463,14 +464,24 @@ class StagingBackend final : public c10d::Backend {
   };
   // stage's first steps: copy in and call the communicator.
   Issued issue(const char* name, const std::function<WorkPtr(StagedCall&)>& run, const Reduction* reduction);
-  // The chunks a host tensor's all-reduce runs in, pipelined: each chunk is copied in
-  // and reduced as a collective of its own, so that on the device one chunk's copy
-  // overlaps another's collective (the copies in and the collectives are queued at the
-  // call; at the wait, each chunk's copy back is queued once its collective is waited
-  // for). None where the call runs whole: several tensors, a device tensor, a CPU
-  // target, the calling thread's coalescing block, a small tensor. Every rank must chunk
-  // alike: the same COMM_STAGING_CHUNK_BYTES everywhere.
+  // The chunks a host tensor's all-reduce, broadcast or reduce runs in, pipelined: each
+  // chunk is copied in and runs as a collective of its own, so that on the device one
+  // chunk's copy overlaps another's collective (the copies in and the collectives are
+  // queued at the call; at the wait, each chunk's copy back is queued once its collective
+  // is waited for). None where the call runs whole: several tensors, a device tensor, a
+  // CPU target, the calling thread's coalescing block, a small tensor. Every rank must
+  // chunk alike: the same COMM_STAGING_CHUNK_BYTES everywhere, and the same device for
+  // the call's tensor on every rank (as the group's own collectives need anyway).
   Tensors chunksOf(const Tensors& tensors);
+  // A call on `tensors` run as one collective per chunk of `chunks` (chunksOf): `run` stages
+  // one chunk and calls the communicator. At most budget / chunk size chunks are on the
+  // device at once: before chunk i is copied in, chunk i - depth is waited for, written back
+  // and its buffers handed back, for chunk i to take. The caller's tensor is thus written
+  // chunk by chunk: a chunk that fails leaves the earlier ones written, as the served
+  // in-place collective leaves whatever it wrote. `reduction`: the c10d function, for a
+  // reduction (the dtype check of issue()); null for none.
+  WorkPtr stageChunks(const char* name, c10d::OpType type, Tensors& tensors, const Tensors& chunks,
+                      const char* reduction, const std::function<WorkPtr(StagedCall&, Tensors&)>& run);
   // The communicator the calling thread's staged calls run on: the group's own backend on
   // the group's thread, else comm's, made at the first such call. Fixes the target at
   // the first staged call.
@@ -519,13 +530,16 @@ class StagingBackend final : public c10d::Backend {
   const int64_t chunkBytes_;
   const std::set<std::string> averagesIntegers_;
   std::atomic<int64_t> budget_;
-  // The staged collectives issued and not yet known to be waited for, oldest first, each with
-  // the thread that issued it (makeRoom retires only that thread's).
+  // Per thread (makeRoom retires only the calling thread's): the staged collectives it issued
+  // that makeRoom has not yet dropped, oldest first, each with the bytes it held when issued,
+  // and their sum. makeRoom walks them only while that sum reaches the budget, dropping each
+  // entry as it goes (retiring it first where it still holds memory), so a loop of many
+  // small calls costs a constant amount per call, however many are in flight.
   struct InFlight {
-    c10::weak_intrusive_ptr<StagedWork> work;
-    std::thread::id thread;
+    std::deque<std::pair<c10::weak_intrusive_ptr<StagedWork>, int64_t>> works;
+    int64_t bytes = 0;
   };
-  std::deque<InFlight> inFlight_;
+  std::map<std::thread::id, InFlight> inFlight_;
   const bool coalesces_; // whether the communicator of the group's kind coalesces
   CoalescingBlock block_; // guarded by its own mutex, which is taken after mutex_, never before
 };

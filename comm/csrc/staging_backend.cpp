@@ -206,36 +206,35 @@ bool budgeted(c10d::OpType type) {
 } // namespace
 
 void StagingBackend::makeRoom() {
-  auto me = std::this_thread::get_id();
   while (true) {
     c10::intrusive_ptr<StagedWork> oldest;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (budget_ <= 0 || block_.openHere()) return;
-      int64_t held = 0;
-      for (auto entry = inFlight_.begin(); entry != inFlight_.end();) {
-        auto work = entry->work.lock();
-        auto bytes = work ? work->heldBytes() : 0;
-        if (bytes == 0) { // waited for, or gone: it holds nothing any more
-          entry = inFlight_.erase(entry);
-          continue;
-        }
-        if (entry->thread == me) {
-          held += bytes;
-          if (!oldest) oldest = work;
-        }
-        ++entry;
+      auto mine = inFlight_.find(std::this_thread::get_id());
+      if (mine == inFlight_.end()) return;
+      auto& flight = mine->second;
+      while (!oldest && flight.bytes >= budget_ && !flight.works.empty()) {
+        auto [weak, bytes] = std::move(flight.works.front());
+        flight.works.pop_front();
+        flight.bytes -= bytes;
+        auto work = weak.lock();
+        if (work && work->heldBytes() > 0) oldest = work; // still holds its buffers: retired below
       }
-      if (held < budget_ || !oldest) return;
+      if (flight.works.empty()) inFlight_.erase(mine);
+      if (!oldest) return;
     }
     oldest->retire(); // outside the lock: it waits for the collective
   }
 }
 
 void StagingBackend::track(const c10::intrusive_ptr<StagedWork>& work) {
-  if (budget_ <= 0 || work->heldBytes() == 0) return;
+  auto bytes = work->heldBytes();
+  if (budget_ <= 0 || bytes == 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  inFlight_.push_back(InFlight{c10::weak_intrusive_ptr<StagedWork>(work), std::this_thread::get_id()});
+  auto& flight = inFlight_[std::this_thread::get_id()];
+  flight.works.emplace_back(c10::weak_intrusive_ptr<StagedWork>(work), bytes);
+  flight.bytes += bytes;
 }
 
 WorkPtr StagingBackend::stage(const char* name, c10d::OpType type, const std::function<WorkPtr(StagedCall&)>& run,
