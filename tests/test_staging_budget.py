@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(comm.unavailable_reason() is not None, reason=st
 MiB = 1 << 20
 CHUNK = 8 * MiB  # comm's default chunk
 BUDGET = 4 * CHUNK  # comm's default budget
-SIZES = (4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+SIZES = (4 * MiB, 16 * MiB, 64 * MiB)  # 256 MiB too in make test-torch-npu and make bench
 
 
 def _filled(rank, nbytes):
@@ -36,35 +36,55 @@ def _device_peak(run):
     return torch.npu.max_memory_allocated() - before
 
 
-# The calls comm runs in chunks, each as torch.distributed's function, and what rank `rank` of `size` holds after.
+def _sum(size):
+    return sum(range(1, size + 1))
+
+
+def _gathered(rank, size, output, tensor):
+    return all(bool(torch.all(row == r + 1)) for r, row in enumerate(output.view(size, -1)))
+
+
+def _scattered(rank, size, output, tensor):
+    return bool(torch.all(output == _sum(size)))
+
+
+# The calls comm runs in chunks, each as (the tensors rank `rank` of `size` passes for a call of `nbytes`,
+# torch.distributed's function of them, whether they hold what they should afterwards).
 CALLS = {
-    "all_reduce": (dist.all_reduce, lambda rank, size: sum(range(1, size + 1))),
-    "broadcast": (functools.partial(dist.broadcast, src=0), lambda rank, size: 1),
-    "reduce": (functools.partial(dist.reduce, dst=0),
-               lambda rank, size: sum(range(1, size + 1)) if rank == 0 else rank + 1),
+    "all_reduce": (lambda rank, size, nbytes: (_filled(rank, nbytes),), dist.all_reduce,
+                   lambda rank, size, t: bool(torch.all(t == _sum(size)))),
+    "broadcast": (lambda rank, size, nbytes: (_filled(rank, nbytes),), functools.partial(dist.broadcast, src=0),
+                  lambda rank, size, t: bool(torch.all(t == 1))),
+    "reduce": (lambda rank, size, nbytes: (_filled(rank, nbytes),), functools.partial(dist.reduce, dst=0),
+               lambda rank, size, t: bool(torch.all(t == (_sum(size) if rank == 0 else rank + 1)))),
+    "all_gather_into_tensor": (lambda rank, size, nbytes: (torch.zeros(size * nbytes // 4), _filled(rank, nbytes)),
+                               dist.all_gather_into_tensor, _gathered),
+    "reduce_scatter_tensor": (lambda rank, size, nbytes: (torch.zeros(nbytes // 4), _filled(rank, size * nbytes)),
+                              dist.reduce_scatter_tensor, _scattered),
 }
 
 
-def _by_hand(call, tensor):
-    """The fix by hand for a CPU tensor on an hccl group: the whole tensor onto the device, the call, back."""
-    staged = tensor.to("npu")
-    call(staged)
-    tensor.copy_(staged)
+def _by_hand(call, *tensors):
+    """The fix by hand for CPU tensors on an hccl group: every tensor whole onto the device, the call, back."""
+    staged = [t.to("npu") for t in tensors]
+    call(*staged)
+    for tensor, copy in zip(tensors, staged):
+        tensor.copy_(copy)
 
 
 def _peaks(rank, world_size, name):
-    call, expected = CALLS[name]
+    make, call, right = CALLS[name]
     seen = {}
     with comm.patched():
         for nbytes in SIZES:
-            tensor = _filled(rank, nbytes)
-            peak = _device_peak(functools.partial(call, tensor))
-            right = bool(torch.all(tensor == expected(rank, world_size)))
-            seen[nbytes] = (peak, _device_peak(functools.partial(_by_hand, call, _filled(rank, nbytes))), right)
-            del tensor
+            tensors = make(rank, world_size, nbytes)
+            peak = _device_peak(functools.partial(call, *tensors))
+            seen[nbytes] = (peak, _device_peak(functools.partial(_by_hand, call, *make(rank, world_size, nbytes))),
+                            right(rank, world_size, *tensors))
+            del tensors
         comm.set_staging_budget(0)  # no bound: every chunk at once, as before budgets
-        tensor = _filled(rank, 64 * MiB)
-        seen["unbounded"] = (_device_peak(lambda: call(tensor)), bool(torch.all(tensor == expected(rank, world_size))))
+        tensors = make(rank, world_size, 64 * MiB)
+        seen["unbounded"] = (_device_peak(lambda: call(*tensors)), right(rank, world_size, *tensors))
         comm.set_staging_budget(BUDGET)
         seen["budget"] = comm.staging_budget()
         seen["held after"] = torch.npu.memory_allocated()
@@ -74,7 +94,8 @@ def _peaks(rank, world_size, name):
 @pytest.mark.parametrize("name", sorted(CALLS))
 def test_a_staged_call_holds_at_most_the_budget_and_never_more_than_the_fix(name):
     """From 16 MiB up the device holds at most the budget (four 8 MiB chunks) where the fix by hand holds the whole
-    tensor; below, no more than the fix; the values are right; with the bound removed, every chunk at once."""
+    tensors (a gather's input and output); below, no more than the fix; the values are right; with the bound removed,
+    every chunk at once."""
     for rank, seen in enumerate(run_ranks(_peaks, 2, backend="hccl", simulate=NPU, args=(name,), timeout=300)):
         for nbytes in SIZES:
             peak, by_hand, right = seen[nbytes]

@@ -31,34 +31,46 @@ WorkPtr allreduceCopies(StagedCall& call, Tensors copies, const c10d::AllreduceO
 } // namespace
 
 WorkPtr StagingBackend::broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) {
-  auto send = [&](StagedCall& call, Tensors& part) {
+  auto send = [&](StagedCall& call, Tensors part) {
     // The source's tensors are only read: nothing comes back to them. The other ranks'
     // are only written, whole: buffers, with nothing copied in (as the fix by hand does).
     auto copies = getRank() == opts.rootRank ? call.inReported(part) : call.out(part);
     return call.communicator().broadcast(copies, opts);
   };
-  auto chunks = chunksOf(tensors);
-  if (!chunks.empty()) return stageChunks("broadcast", c10d::OpType::BROADCAST, tensors, chunks, nullptr, send);
+  if (auto chunk = chunkLength(tensors, 1)) {
+    auto flat = tensors.front().view(-1);
+    return stageChunks("broadcast", c10d::OpType::BROADCAST, tensors, spans(flat.numel(), chunk), nullptr,
+                       [&](StagedCall& call, Span span) { return send(call, {span.of(flat)}); });
+  }
   return stage("broadcast", c10d::OpType::BROADCAST, [&](StagedCall& call) { return send(call, tensors); });
 }
 
-Tensors StagingBackend::chunksOf(const Tensors& tensors) {
-  if (chunkBytes_ <= 0 || tensors.size() != 1) return {};
-  const auto& tensor = tensors.front();
-  auto chunk = std::max<int64_t>(1, chunkBytes_ / tensor.element_size());
-  if (!tensor.device().is_cpu() || !tensor.is_contiguous() || tensor.numel() < 2 * chunk) return {};
-  fixTarget();
-  if (target().is_cpu() || block_.openHere()) return {};
-  Tensors chunks;
-  auto flat = tensor.view(-1);
-  for (int64_t start = 0; start < flat.numel(); start += chunk) {
-    chunks.push_back(flat.narrow(0, start, std::min(chunk, flat.numel() - start)));
+int64_t StagingBackend::chunkLength(const Tensors& tensors, int64_t deviceCopies) {
+  if (chunkBytes_ <= 0 || tensors.empty()) return 0;
+  for (const auto& tensor : tensors) {
+    if (!tensor.device().is_cpu() || !tensor.is_contiguous()) return 0;
   }
-  return chunks;
+  const auto& first = tensors.front();
+  // Whole blocks of the device allocators' 512 bytes (CUDA's and torch_npu's caching
+  // allocators round every block up to that), so that a chunk's buffers fill no more than it.
+  auto block = std::max<int64_t>(1, 512 / first.element_size());
+  auto chunk = chunkBytes_ / (deviceCopies * first.element_size());
+  chunk = std::max<int64_t>(1, chunk >= block ? chunk - chunk % block : chunk);
+  if (first.numel() < 2 * chunk) return 0;
+  fixTarget();
+  if (target().is_cpu() || block_.openHere()) return 0;
+  return chunk;
 }
 
-WorkPtr StagingBackend::stageChunks(const char* name, c10d::OpType type, Tensors& tensors, const Tensors& chunks,
-                                    const char* reduction, const std::function<WorkPtr(StagedCall&, Tensors&)>& run) {
+std::vector<Span> spans(int64_t length, int64_t chunk) {
+  std::vector<Span> all;
+  for (int64_t start = 0; start < length; start += chunk) all.push_back(Span{start, std::min(chunk, length - start)});
+  return all;
+}
+
+WorkPtr StagingBackend::stageChunks(const char* name, c10d::OpType type, const Tensors& results,
+                                    const std::vector<Span>& chunks, const Reduction* reduction,
+                                    const std::function<WorkPtr(StagedCall&, Span)>& run) {
   auto budget = this->budget();
   auto depth = budget > 0 ? std::max<size_t>(1, static_cast<size_t>(budget / chunkBytes_)) : chunks.size();
   makeRoom();
@@ -73,10 +85,7 @@ WorkPtr StagingBackend::stageChunks(const char* name, c10d::OpType type, Tensors
       works[i - depth].reset(); // the communicator's work may hold the chunk's copy
       backs[i - depth].reset();
     }
-    Tensors part{chunks[i]};
-    Reduction partReduction{reduction, part};
-    auto issued = issue(name, [&](StagedCall& call) { return run(call, part); },
-                        reduction != nullptr ? &partReduction : nullptr);
+    auto issued = issue(name, [&](StagedCall& call) { return run(call, chunks[i]); }, reduction);
     works.push_back(issued.work);
     backs.push_back(issued.back);
     waitOn = issued.waitOn;
@@ -85,16 +94,19 @@ WorkPtr StagingBackend::stageChunks(const char* name, c10d::OpType type, Tensors
   auto first = chunks.size() > depth ? chunks.size() - depth : 0;
   auto work = c10::make_intrusive<StagedWork>(std::vector<WorkPtr>(works.begin() + first, works.end()),
                                               std::vector<std::shared_ptr<WriteBack>>(backs.begin() + first, backs.end()),
-                                              type, waitOn, tensors);
+                                              type, waitOn, results);
   track(work);
   return work;
 }
 
 WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
-  auto reduce = [&](StagedCall& call, Tensors& part) { return allreduceCopies(call, call.inOut(part), opts); };
-  auto chunks = chunksOf(tensors);
-  if (!chunks.empty()) return stageChunks("all_reduce", c10d::OpType::ALLREDUCE, tensors, chunks, "allreduce", reduce);
+  auto reduce = [&](StagedCall& call, Tensors part) { return allreduceCopies(call, call.inOut(part), opts); };
   Reduction reduction{"allreduce", tensors};
+  if (auto chunk = chunkLength(tensors, 1)) {
+    auto flat = tensors.front().view(-1);
+    return stageChunks("all_reduce", c10d::OpType::ALLREDUCE, tensors, spans(flat.numel(), chunk), &reduction,
+                       [&](StagedCall& call, Span span) { return reduce(call, {span.of(flat)}); });
+  }
   return stage("all_reduce", c10d::OpType::ALLREDUCE, [&](StagedCall& call) { return reduce(call, tensors); },
                &reduction);
 }
@@ -112,15 +124,18 @@ WorkPtr StagingBackend::allreduce_coalesced(Tensors& tensors, const c10d::Allred
 }
 
 WorkPtr StagingBackend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts) {
-  auto reduceTo = [&](StagedCall& call, Tensors& part) {
+  auto reduceTo = [&](StagedCall& call, Tensors part) {
     // Only the destination's tensors are written.
     auto copies = getRank() == opts.rootRank ? call.inOut(part) : call.inReported(part);
     auto options = reducing(call, opts, copies);
     return call.communicator().reduce(copies, options);
   };
-  auto chunks = chunksOf(tensors);
-  if (!chunks.empty()) return stageChunks("reduce", c10d::OpType::REDUCE, tensors, chunks, "reduce", reduceTo);
   Reduction reduction{"reduce", tensors};
+  if (auto chunk = chunkLength(tensors, 1)) {
+    auto flat = tensors.front().view(-1);
+    return stageChunks("reduce", c10d::OpType::REDUCE, tensors, spans(flat.numel(), chunk), &reduction,
+                       [&](StagedCall& call, Span span) { return reduceTo(call, {span.of(flat)}); });
+  }
   return stage("reduce", c10d::OpType::REDUCE, [&](StagedCall& call) { return reduceTo(call, tensors); }, &reduction);
 }
 
@@ -133,11 +148,23 @@ WorkPtr StagingBackend::allgather(TensorLists& outputs, Tensors& inputs, const c
 }
 
 WorkPtr StagingBackend::_allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  return stage("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, [&](StagedCall& call) {
-    auto in = call.in(input);
-    auto out = call.out(output);
+  auto gather = [&](StagedCall& call, const at::Tensor& part, const at::Tensor& into) {
+    auto in = call.in(part);
+    auto out = call.out(into);
     return call.communicator()._allgather_base(out, in, opts);
-  });
+  };
+  // In chunks: chunk [a, b) of every rank's input lands in columns [a, b) of the output
+  // seen as one row per rank; a chunk's input and its rows are on the device together.
+  if (auto chunk = output.numel() == input.numel() * getSize() ? chunkLength({input, output}, getSize() + 1) : 0) {
+    auto flat = input.view(-1);
+    auto rows = output.view({getSize(), flat.numel()});
+    return stageChunks("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {output}, spans(flat.numel(), chunk),
+                       nullptr, [&](StagedCall& call, Span span) {
+                         return gather(call, span.of(flat), rows.narrow(1, span.start, span.length));
+                       });
+  }
+  return stage("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE,
+               [&](StagedCall& call) { return gather(call, input, output); });
 }
 
 WorkPtr StagingBackend::allgather_coalesced(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
@@ -206,13 +233,25 @@ WorkPtr StagingBackend::reduce_scatter(Tensors& outputs, TensorLists& inputs, co
 
 WorkPtr StagingBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                              const c10d::ReduceScatterOptions& opts) {
-  Reduction reduction{"_reduce_scatter_base", {output, input}};
-  return stage("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, [&](StagedCall& call) {
-    auto in = call.in(input);
-    auto out = call.out(output);
+  auto scatter = [&](StagedCall& call, const at::Tensor& from, const at::Tensor& part) {
+    auto in = call.in(from);
+    auto out = call.out(part);
     auto options = reducing(call, opts, {in});
     return call.communicator()._reduce_scatter_base(out, in, options);
-  }, &reduction);
+  };
+  Reduction reduction{"_reduce_scatter_base", {output, input}};
+  // In chunks: chunk [a, b) of the output reduces columns [a, b) of the input seen as one
+  // row per rank; a chunk's rows and its output are on the device together.
+  if (auto chunk = input.numel() == output.numel() * getSize() ? chunkLength({output, input}, getSize() + 1) : 0) {
+    auto flat = output.view(-1);
+    auto rows = input.view({getSize(), flat.numel()});
+    return stageChunks("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+                       spans(flat.numel(), chunk), &reduction, [&](StagedCall& call, Span span) {
+                         return scatter(call, rows.narrow(1, span.start, span.length), span.of(flat));
+                       });
+  }
+  return stage("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE,
+               [&](StagedCall& call) { return scatter(call, input, output); }, &reduction);
 }
 
 WorkPtr StagingBackend::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,

@@ -335,6 +335,15 @@ class CoalescingBlock {
 };
 
 // ---- staging_backend.cpp and calls.cpp: the backend.
+
+// Elements [start, start + length) of a flat tensor: one chunk of a call staged in chunks.
+struct Span {
+  int64_t start;
+  int64_t length;
+  at::Tensor of(const at::Tensor& flat) const { return flat.narrow(0, start, length); }
+};
+// The spans of `length` elements in chunks of `chunk` (the last may be shorter).
+std::vector<Span> spans(int64_t length, int64_t chunk);
 //
 // Which communicator a staged call runs on depends on the thread that makes it:
 // * the group's thread (the thread that made this backend: equip() runs where the
@@ -464,24 +473,27 @@ class StagingBackend final : public c10d::Backend {
   };
   // stage's first steps: copy in and call the communicator.
   Issued issue(const char* name, const std::function<WorkPtr(StagedCall&)>& run, const Reduction* reduction);
-  // The chunks a host tensor's all-reduce, broadcast or reduce runs in, pipelined: each
-  // chunk is copied in and runs as a collective of its own, so that on the device one
-  // chunk's copy overlaps another's collective (the copies in and the collectives are
-  // queued at the call; at the wait, each chunk's copy back is queued once its collective
-  // is waited for). None where the call runs whole: several tensors, a device tensor, a
-  // CPU target, the calling thread's coalescing block, a small tensor. Every rank must
-  // chunk alike: the same COMM_STAGING_CHUNK_BYTES everywhere, and the same device for
-  // the call's tensor on every rank (as the group's own collectives need anyway).
-  Tensors chunksOf(const Tensors& tensors);
-  // A call on `tensors` run as one collective per chunk of `chunks` (chunksOf): `run` stages
-  // one chunk and calls the communicator. At most budget / chunk size chunks are on the
-  // device at once: before chunk i is copied in, chunk i - depth is waited for, written back
-  // and its buffers handed back, for chunk i to take. The caller's tensor is thus written
-  // chunk by chunk: a chunk that fails leaves the earlier ones written, as the served
-  // in-place collective leaves whatever it wrote. `reduction`: the c10d function, for a
-  // reduction (the dtype check of issue()); null for none.
-  WorkPtr stageChunks(const char* name, c10d::OpType type, Tensors& tensors, const Tensors& chunks,
-                      const char* reduction, const std::function<WorkPtr(StagedCall&, Tensors&)>& run);
+  // The elements per chunk a host call on `tensors` runs in, pipelined, or 0 where it runs
+  // whole. The first tensor's elements are cut into chunks of chunkBytes / (`deviceCopies`
+  // x element size): the bytes of one chunk and what it needs beside it on the device (an
+  // all-gather's chunk of input and its rows of output: size + 1). Each chunk is copied in
+  // and runs as a collective of its own, so that on the device one chunk's copy overlaps
+  // another's collective (the copies in and the collectives are queued at the call; at the
+  // wait, each chunk's copy back is queued once its collective is waited for). Whole where
+  // a tensor is on a device or not contiguous, for a CPU target, in the calling thread's
+  // coalescing block, and below two chunks. Every rank must chunk alike: the same
+  // COMM_STAGING_CHUNK_BYTES everywhere, and the call's tensors on the same device type on
+  // every rank (as the group's own collectives need anyway).
+  int64_t chunkLength(const Tensors& tensors, int64_t deviceCopies);
+  // A call run as one collective per span of `chunks`: `run` stages that chunk and calls the
+  // communicator; `results`: the work's result. At most budget / chunk size chunks are on
+  // the device at once: before chunk i is copied in, chunk i - depth is waited for, written
+  // back and its buffers handed back, for chunk i to take. The caller's tensor is thus
+  // written chunk by chunk: a chunk that fails leaves the earlier ones written, as the
+  // served in-place collective leaves whatever it wrote. `reduction`: the call's, checked
+  // for each chunk as for a whole call (issue()); null for none.
+  WorkPtr stageChunks(const char* name, c10d::OpType type, const Tensors& results, const std::vector<Span>& chunks,
+                      const Reduction* reduction, const std::function<WorkPtr(StagedCall&, Span)>& run);
   // The communicator the calling thread's staged calls run on: the group's own backend on
   // the group's thread, else comm's, made at the first such call. Fixes the target at
   // the first staged call.
