@@ -193,6 +193,10 @@ bool StagedWork::isCompleted() {
 }
 
 void StagedWork::releaseBuffers(bool recorded) {
+  // Recorded on stream_, which wait() ordered after the collectives: the caller's own
+  // stream is not, and a buffer recorded there could go to its next copy before the
+  // communicator has read it.
+  c10::OptionalStreamGuard guard(stream_);
   for (auto& back : backs_) back->release(recorded);
 }
 

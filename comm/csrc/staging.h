@@ -177,7 +177,8 @@ class StagedWork final : public c10d::Work {
   void retire();
 
  private:
-  // Every write-back's device buffers back to the allocator (WriteBack::release).
+  // Every write-back's device buffers back to the allocator (WriteBack::release), recorded on
+  // `stream_` where `recorded`.
   void releaseBuffers(bool recorded);
   // The write-backs' three steps, each for every write-back before the next step.
   void writeAll();

@@ -7,9 +7,9 @@ aclrtMalloc respects and aclrtGetMemInfo reports). Rank 0 prints one line per me
   a CPU tensor, or the fix by hand of it, took beyond what was allocated before;
 * ``by_hand_1GiB <error>``: what copying a 1 GiB CPU tensor onto the device raised (torch_npu's own error);
 * ``staged_1GiB right|wrong``: the staged all_reduce of it;
-* ``varied staged|by_hand <calls> <largest> <peak reserved after 100> <peak reserved> <allocated>``: the largest
-  tensor's bytes, max_memory_reserved after 100 calls and after all, and memory_allocated, over all_reduces of
-  varied sizes staged or by hand;
+* ``varied staged|by_hand <calls> <largest> <peak reserved after 100> <peak reserved> <allocated> <peak allocated>``:
+  the largest tensor's bytes, max_memory_reserved after 100 calls and after all, memory_allocated, and
+  max_memory_allocated over all of them, over all_reduces of varied sizes staged or by hand;
 * ``reserved_after_empty_cache <bytes>``.
 """
 
@@ -84,7 +84,8 @@ for way, reduce in (("staged", dist.all_reduce), ("by_hand", by_hand)):
         reduce(tensor)
         if call == 99:
             early = torch.npu.max_memory_reserved()
-    report("varied", way, calls, largest, early, torch.npu.max_memory_reserved(), torch.npu.memory_allocated())
+    report("varied", way, calls, largest, early, torch.npu.max_memory_reserved(), torch.npu.memory_allocated(),
+           torch.npu.max_memory_allocated())
 torch.npu.empty_cache()
 report("reserved_after_empty_cache", torch.npu.memory_reserved())
 dist.destroy_process_group()
