@@ -10,7 +10,11 @@ expects itself. Each runs under ``torchrun --nproc-per-node 2`` four ways:
 * plainly on the simulated NPU (no comm): as on an Ascend machine without comm; must
   pass too (Accelerate's own device handling suffices there);
 * ``-m comm`` on the CPU and plainly on the CPU: comm must change nothing there (both pass, or both fail
-  as ``ON_THE_CPU_FAILS`` says). Both with ``ACCELERATE_USE_CPU=1``, as ``accelerate launch --cpu`` sets it,
+  as ``ON_THE_CPU_FAILS`` says).
+
+Beside them one script of comm's own (``accelerate_cpu_metric.py``) through Accelerate's public
+operations: a metric on the CPU, gathered and reduced on two simulated NPUs, fails plainly with the
+second seed's error and must pass under comm, so that the tier can fail for comm's reason. Both with ``ACCELERATE_USE_CPU=1``, as ``accelerate launch --cpu`` sets it,
   but for ``CPU_JOBS_OF_ONE``: without it Accelerate runs each CPU rank as a job of one, and test_script's two
   "main processes" race to delete the same file.
 
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from multiproc import quiet_env, skip_unless_simulation
+from multiproc import SEED_ERROR, quiet_env, skip_unless_simulation
 
 accelerate = pytest.importorskip("accelerate", reason="make test-peers installs Accelerate in .venv-peers")
 
@@ -42,13 +46,19 @@ ON_THE_CPU_FAILS = {
 CPU_JOBS_OF_ONE = {"test_distributed_data_loop"}
 
 
-def run(script: str, *launch: str, on_the_cpu: bool = False) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node 2 <launch> <Accelerate's script>``; rank 0's output only (tracebacks interleave).
+# comm's own script through Accelerate's operations (see the module docstring).
+CPU_METRIC = Path(__file__).resolve().parent / "accelerate_cpu_metric.py"
 
-    ``on_the_cpu``: Accelerate's two ranks on the CPU, as one job of two (``ACCELERATE_USE_CPU=1``).
+
+def run(script: str, *launch: str, on_the_cpu: bool = False) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 <launch> <script>``; rank 0's output only (tracebacks interleave).
+
+    ``script``: the name of one of Accelerate's scripts, or a path. ``on_the_cpu``: Accelerate's two ranks on the
+    CPU, as one job of two (``ACCELERATE_USE_CPU=1``).
     """
+    path = script if script.endswith(".py") else str(SCRIPTS / f"{script}.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--local-ranks-filter", "0", *launch, str(SCRIPTS / f"{script}.py")]
+               "--local-ranks-filter", "0", *launch, path]
     with tempfile.TemporaryDirectory() as folder:  # test_merge_weights saves its checkpoint in the current folder
         env = {**quiet_env(), "ACCELERATE_USE_CPU": "1"} if on_the_cpu else quiet_env()
         return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=folder)
@@ -92,3 +102,13 @@ def test_merge_weights_twenty_runs_in_a_row_without_a_hang():
     for attempt in range(20):
         result = run("test_merge_weights", "-m", "comm", "--simulate", "npu")
         assert not failure(result), f"run {attempt + 1}: {failure(result)}"
+
+
+def test_a_cpu_metric_through_accelerates_operations_needs_comm_on_npus():
+    """Plainly, Accelerator.gather of a CPU tensor on the hccl group fails with the second seed's error; under comm
+    it and Accelerator.reduce answer right, as they do plainly on the CPU."""
+    skip_unless_simulation()
+    plain = run(str(CPU_METRIC), str(ON_SIMULATED_NPU))
+    assert plain.returncode != 0 and SEED_ERROR in plain.stdout + plain.stderr, failure(plain) or plain.stdout
+    for result in (run(str(CPU_METRIC), "-m", "comm", "--simulate", "npu"), run(str(CPU_METRIC), on_the_cpu=True)):
+        assert not failure(result) and result.stdout.strip().splitlines()[-1:] == ["right"], failure(result)
