@@ -145,7 +145,9 @@ def _follow_coalescing_blocks(pg: dist.ProcessGroup, native: Any) -> None:
     """
     with _LOCK_FOLLOWING:
         if id(pg) not in _FOLLOWED_GROUPS:
-            _FOLLOWED_GROUPS[id(pg)] = weakref.finalize(pg, _stop_following_coalescing_blocks, id(pg))
+            forget = weakref.finalize(pg, _stop_following_coalescing_blocks, id(pg))
+            forget.atexit = False  # nothing to put back while the interpreter exits
+            _FOLLOWED_GROUPS[id(pg)] = forget
         if _ledger.held(_FOLLOWS_BLOCKS):
             return
         torch_start, torch_end = dist.ProcessGroup._start_coalescing, dist.ProcessGroup._end_coalescing
