@@ -230,3 +230,33 @@ def test_a_call_costs_as_much_with_thousands_in_flight_as_with_none():
     [seen] = run_ranks(_many_unwaited_calls, 1, backend="hccl", simulate=NPU, args=(20_000, 1_000), timeout=300)
     assert seen["right"]
     assert seen["last"] < 2 * seen["first"], seen
+
+
+def _failed_works_and_later_calls(rank, world_size):
+    """A budget of one call: a staged all_reduce whose collective fails, waited for; another, never waited for; then
+    eight calls that each make room past them."""
+    seen = {}
+    with comm.patched():
+        comm.set_staging_budget(4096)
+        comm.testing.fail_next("fail_wait")
+        failed = dist.all_reduce(torch.ones(1024), async_op=True)
+        seen["its wait"] = error_of(failed.wait)
+        comm.testing.fail_next("fail_wait")
+        unwaited = dist.all_reduce(torch.ones(1024), async_op=True)
+        later = [torch.ones(1024) for _ in range(8)]
+        seen["later calls"] = [error_of(dist.all_reduce, tensor) for tensor in later]
+        seen["later right"] = all(bool(torch.all(tensor == world_size)) for tensor in later)
+        seen["its own wait, later"] = error_of(unwaited.wait)
+        seen["again"] = error_of(unwaited.wait)
+        comm.set_staging_budget(BUDGET)
+    return seen
+
+
+def test_a_failed_call_fails_at_its_own_wait_never_in_a_later_call_that_makes_room():
+    """Making room waits for earlier calls; one whose collective failed raises at its own wait(), every time, and the
+    later calls that made room past it run and are right."""
+    for seen in run_ranks(_failed_works_and_later_calls, 2, backend="hccl", simulate=NPU):
+        assert "injected backend failure (on wait)" in seen["its wait"], seen
+        assert seen["later calls"] == [None] * 8 and seen["later right"], seen
+        assert "injected backend failure (on wait)" in seen["its own wait, later"], seen
+        assert seen["again"] == seen["its own wait, later"], seen

@@ -265,14 +265,22 @@ void StagedWork::synchronize() {
 
 bool StagedWork::wait(std::chrono::milliseconds timeout) {
   if (waited_) return true; // its results are written; a communicator's work waited twice may wait for ever
-  waitInner(timeout, /*copyEachBack=*/completes_ == Completes::Calls && inner_.size() == backs_.size());
-  writeAll();
+  if (failed_) std::rethrow_exception(failure_); // the same failure, never a second, silent attempt
+  try {
+    waitInner(timeout, /*copyEachBack=*/completes_ == Completes::Calls && inner_.size() == backs_.size());
+    writeAll();
+  } catch (...) {
+    failure_ = std::current_exception();
+    failed_ = true;
+    throw;
+  }
   releaseBuffers(/*recorded=*/true); // on stream_, which now waits for the collectives
   waited_ = true;
   return true;
 }
 
 int64_t StagedWork::heldBytes() {
+  if (failed_) return 0; // see failed_
   int64_t bytes = 0;
   for (auto& back : backs_) bytes += back->heldBytes();
   return bytes;
@@ -285,8 +293,12 @@ void StagedWork::release_resources() {
 }
 
 void StagedWork::retire() {
-  if (heldBytes() == 0) return; // waited for already, or it holds nothing
-  wait(kNoTimeout);
+  if (heldBytes() == 0) return; // waited for already, failed, or it holds nothing
+  try {
+    wait(kNoTimeout);
+  } catch (...) {
+    return; // the failure is this work's: its own wait() raises it, not the call that makes room
+  }
   if (stream_) {
     // The buffers went back recorded on stream_: the allocator hands them out again once
     // stream_ has passed that point.

@@ -165,7 +165,8 @@ class StagedWork final : public c10d::Work {
   void abort() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
-  // The bytes of device memory the work's calls still hold (none once waited for).
+  // The bytes of device memory the work's calls still hold (none once waited for, or once a
+  // wait has failed: see failed_).
   int64_t heldBytes();
   // When the last reference goes (a budget's weak one may keep the object itself a while):
   // the communicator's works and the write-backs, with the copies they hold, go at once.
@@ -199,6 +200,10 @@ class StagedWork final : public c10d::Work {
   Tensors results_;
   Completes completes_;
   std::atomic<bool> waited_{false}; // a wait() returned: later waits return at once
+  // A wait() raised `failure_`, which every later wait() raises again. The work stops counting
+  // against the budget: retiring it would raise its failure in whichever later call made room.
+  std::atomic<bool> failed_{false};
+  std::exception_ptr failure_; // set once, before failed_
   std::atomic<bool> futureMade_{false}; // getFuture() started a thread that waits for it
 };
 
