@@ -37,11 +37,7 @@ WorkPtr StagingBackend::broadcast(Tensors& tensors, const c10d::BroadcastOptions
     auto copies = getRank() == opts.rootRank ? call.inReported(part) : call.out(part);
     return call.communicator().broadcast(copies, opts);
   };
-  if (auto chunk = chunkLength(tensors, 1)) {
-    auto flat = tensors.front().view(-1);
-    return stageChunks("broadcast", c10d::OpType::BROADCAST, tensors, spans(flat.numel(), chunk), nullptr,
-                       [&](StagedCall& call, Span span) { return send(call, {span.of(flat)}); });
-  }
+  if (auto work = stageOneInChunks("broadcast", c10d::OpType::BROADCAST, tensors, nullptr, send)) return work;
   return stage("broadcast", c10d::OpType::BROADCAST, [&](StagedCall& call) { return send(call, tensors); });
 }
 
@@ -99,14 +95,21 @@ WorkPtr StagingBackend::stageChunks(const char* name, c10d::OpType type, const T
   return work;
 }
 
+WorkPtr StagingBackend::stageOneInChunks(const char* name, c10d::OpType type, Tensors& tensors,
+                                         const Reduction* reduction,
+                                         const std::function<WorkPtr(StagedCall&, Tensors)>& run) {
+  if (tensors.size() != 1) return WorkPtr(); // each tensor of a list is chunked alike or not at all
+  auto chunk = chunkLength(tensors, 1);
+  if (chunk == 0) return WorkPtr();
+  auto flat = tensors.front().view(-1);
+  return stageChunks(name, type, tensors, spans(flat.numel(), chunk), reduction,
+                     [&](StagedCall& call, Span span) { return run(call, {span.of(flat)}); });
+}
+
 WorkPtr StagingBackend::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
   auto reduce = [&](StagedCall& call, Tensors part) { return allreduceCopies(call, call.inOut(part), opts); };
   Reduction reduction{"allreduce", tensors};
-  if (auto chunk = chunkLength(tensors, 1)) {
-    auto flat = tensors.front().view(-1);
-    return stageChunks("all_reduce", c10d::OpType::ALLREDUCE, tensors, spans(flat.numel(), chunk), &reduction,
-                       [&](StagedCall& call, Span span) { return reduce(call, {span.of(flat)}); });
-  }
+  if (auto work = stageOneInChunks("all_reduce", c10d::OpType::ALLREDUCE, tensors, &reduction, reduce)) return work;
   return stage("all_reduce", c10d::OpType::ALLREDUCE, [&](StagedCall& call) { return reduce(call, tensors); },
                &reduction);
 }
@@ -131,11 +134,7 @@ WorkPtr StagingBackend::reduce(Tensors& tensors, const c10d::ReduceOptions& opts
     return call.communicator().reduce(copies, options);
   };
   Reduction reduction{"reduce", tensors};
-  if (auto chunk = chunkLength(tensors, 1)) {
-    auto flat = tensors.front().view(-1);
-    return stageChunks("reduce", c10d::OpType::REDUCE, tensors, spans(flat.numel(), chunk), &reduction,
-                       [&](StagedCall& call, Span span) { return reduceTo(call, {span.of(flat)}); });
-  }
+  if (auto work = stageOneInChunks("reduce", c10d::OpType::REDUCE, tensors, &reduction, reduceTo)) return work;
   return stage("reduce", c10d::OpType::REDUCE, [&](StagedCall& call) { return reduceTo(call, tensors); }, &reduction);
 }
 

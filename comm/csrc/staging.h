@@ -500,6 +500,11 @@ class StagingBackend final : public c10d::Backend {
   // for each chunk as for a whole call (issue()); null for none.
   WorkPtr stageChunks(const char* name, c10d::OpType type, const Tensors& results, const std::vector<Span>& chunks,
                       const Reduction* reduction, const std::function<WorkPtr(StagedCall&, Span)>& run);
+  // An elementwise call on one host tensor (all-reduce, broadcast, reduce) through stageChunks,
+  // its chunks spans of the flat tensor, each staged by `run`; none where chunkLength says
+  // whole, or where the call has more than one tensor.
+  WorkPtr stageOneInChunks(const char* name, c10d::OpType type, Tensors& tensors, const Reduction* reduction,
+                           const std::function<WorkPtr(StagedCall&, Tensors)>& run);
   // The communicator the calling thread's staged calls run on: the group's own backend on
   // the group's thread, else comm's, made at the first such call. Fixes the target at
   // the first staged call.
